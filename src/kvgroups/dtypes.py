@@ -1,0 +1,51 @@
+"""Torch dtypes by name: the one mapping used by serialization, the CLI and the fingerprint."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgroups.errors import KVGroupsError
+
+# Only dtypes a KV cache or a recurrent state is stored in; a name outside this table is a typo.
+_BY_NAME: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in _BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"expected a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+    try:
+        return _BY_DTYPE[dtype]
+    except KeyError:
+        raise KVGroupsError(
+            f"dtype {dtype} is not a KV-cache dtype; expected one of {', '.join(_BY_NAME)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``."""
+    if not isinstance(name, str):
+        raise TypeError(f"expected a dtype name (str), got {type(name).__name__} {name!r}")
+    try:
+        return _BY_NAME[name.removeprefix("torch.")]
+    except KeyError:
+        raise KVGroupsError(
+            f"unknown dtype name {name!r}; expected one of {', '.join(_BY_NAME)}"
+        ) from None
+
+
+def dtype_size_bytes(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
+    return torch.empty((), dtype=dtype, device="meta").element_size()

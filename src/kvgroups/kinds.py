@@ -1,0 +1,237 @@
+"""What a layer's cache holds: one small frozen spec per kind of layer.
+
+Two layers can only share a group when their specs are equal, because the rules for reusing
+their caches differ: a full-attention layer needs every earlier token, a sliding-window layer
+only the last ``window_tokens``, a recurrent layer one state per sequence. Each spec answers
+for itself (``tokens_held``, ``accepts_layout``); nothing here switches on the kind.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from kvgroups.errors import KVGroupsError
+from kvgroups.layouts import KVLayout
+
+
+class LayerKind(enum.Enum):
+    """Kinds of layer cache."""
+
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    CHUNKED_LOCAL = "chunked_local"
+    MLA = "mla"
+    RECURRENT = "recurrent"
+
+
+class LayerCacheSpec(Protocol):
+    """What every spec provides."""
+
+    kind: ClassVar[LayerKind]
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        """Whether a cache in ``layout`` can hold this kind."""
+        ...
+
+    def tokens_held(self, context_tokens: int, block_size: int) -> int:
+        """Token slots one sequence of ``context_tokens`` occupies (0 for recurrent state)."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, ``{"kind": ..., **parameters}``."""
+        ...
+
+
+_FROM_DICT: dict[LayerKind, Callable[[Mapping[str, Any]], LayerCacheSpec]] = {}
+
+
+def _registered(cls: Any) -> Any:
+    _FROM_DICT[cls.kind] = cls.from_dict
+    return cls
+
+
+def _positive_int(owner: str, field_name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KVGroupsError(f"{owner}.{field_name} must be a positive int, got {value!r}")
+    return value
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+_PAGED_KV = frozenset({
+    KVLayout.FLASH_ATTN, KVLayout.FLASH_ATTN_HND, KVLayout.FLASHINFER, KVLayout.FLASHINFER_HND,
+    KVLayout.KV_SPLIT, KVLayout.KV_SPLIT_HND,
+})
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class FullAttention:
+    """Keys and values of every token of the sequence."""
+
+    kind: ClassVar[LayerKind] = LayerKind.FULL_ATTENTION
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout in _PAGED_KV
+
+    def tokens_held(self, context_tokens: int, block_size: int) -> int:
+        return context_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FullAttention:
+        return cls()
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindow:
+    """Keys and values of the last ``window_tokens`` tokens only."""
+
+    kind: ClassVar[LayerKind] = LayerKind.SLIDING_WINDOW
+    window_tokens: int
+
+    def __post_init__(self) -> None:
+        _positive_int("SlidingWindow", "window_tokens", self.window_tokens)
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout in _PAGED_KV
+
+    def tokens_held(self, context_tokens: int, block_size: int) -> int:
+        # The window rarely starts on a block boundary, so one more block stays partly live.
+        return min(context_tokens, _round_up(self.window_tokens, block_size) + block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "window_tokens": self.window_tokens}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SlidingWindow:
+        return cls(window_tokens=data["window_tokens"])
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocal:
+    """Keys and values of the tokens in the current attention chunk of ``chunk_tokens``."""
+
+    kind: ClassVar[LayerKind] = LayerKind.CHUNKED_LOCAL
+    chunk_tokens: int
+
+    def __post_init__(self) -> None:
+        _positive_int("ChunkedLocal", "chunk_tokens", self.chunk_tokens)
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout in _PAGED_KV
+
+    def tokens_held(self, context_tokens: int, block_size: int) -> int:
+        return min(context_tokens, _round_up(self.chunk_tokens, block_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "chunk_tokens": self.chunk_tokens}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ChunkedLocal:
+        return cls(chunk_tokens=data["chunk_tokens"])
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class MLAttention:
+    """One compressed latent (plus its rope part) per token, shared by keys and values."""
+
+    kind: ClassVar[LayerKind] = LayerKind.MLA
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout is KVLayout.MLA
+
+    def tokens_held(self, context_tokens: int, block_size: int) -> int:
+        return context_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MLAttention:
+        return cls()
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class RecurrentState:
+    """Fixed-size state per sequence (mamba conv + SSM state, linear-attention state).
+
+    ``state_shapes`` lists the per-slot shape of each state tensor, e.g. the conv state
+    ``(channels, conv_kernel - 1)`` and the SSM state ``(heads, head_dim, state_size)``.
+    """
+
+    kind: ClassVar[LayerKind] = LayerKind.RECURRENT
+    state_shapes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state_shapes, tuple) or not self.state_shapes:
+            raise KVGroupsError(
+                f"RecurrentState.state_shapes must be a non-empty tuple of shapes, "
+                f"got {self.state_shapes!r}"
+            )
+        for shape in self.state_shapes:
+            if not isinstance(shape, tuple) or not shape:
+                raise KVGroupsError(
+                    f"RecurrentState.state_shapes entries must be non-empty tuples, got {shape!r}"
+                )
+            for dim in shape:
+                _positive_int("RecurrentState", "state_shapes", dim)
+
+    @property
+    def state_elements(self) -> int:
+        """Elements one sequence's state holds, all state tensors together."""
+        total = 0
+        for shape in self.state_shapes:
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count
+        return total
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout is KVLayout.RECURRENT
+
+    def tokens_held(self, context_tokens: int, block_size: int) -> int:
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "state_shapes": [list(s) for s in self.state_shapes]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RecurrentState:
+        return cls(state_shapes=tuple(tuple(shape) for shape in data["state_shapes"]))
+
+
+def spec_from_dict(data: Mapping[str, Any]) -> LayerCacheSpec:
+    """Inverse of ``spec.to_dict()``."""
+    if not isinstance(data, Mapping) or "kind" not in data:
+        raise KVGroupsError(f"a layer spec must be a mapping with a 'kind', got {data!r}")
+    try:
+        kind = LayerKind(data["kind"])
+    except ValueError:
+        known = ", ".join(kind.value for kind in LayerKind)
+        raise KVGroupsError(f"unknown layer kind {data['kind']!r}; expected one of {known}") from None
+    try:
+        return _FROM_DICT[kind](data)
+    except KeyError as missing:
+        raise KVGroupsError(f"layer spec of kind {kind.value} lacks field {missing}") from None
+
+
+def default_spec(layout: KVLayout) -> LayerCacheSpec:
+    """The spec a layer gets when none is given: MLA for MLA caches, else full attention."""
+    if layout is KVLayout.MLA:
+        return MLAttention()
+    if layout is KVLayout.RECURRENT:
+        raise KVGroupsError("a recurrent-state layer needs an explicit RecurrentState spec")
+    return FullAttention()

@@ -1,0 +1,216 @@
+"""Engine KV-cache layouts: the axis order of each, defined once, and the geometry read from a shape.
+
+Every other module asks a :class:`KVLayout` for its axes instead of indexing shapes by position.
+A layout names the *logical* axis order of the tensor a layer's cache is handed as; strides are
+free, so a permuted, non-contiguous view of another storage order is described by the axes of its
+shape, which is how engines build HND caches.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvgroups.errors import KVGroupsError
+
+
+class Axis(enum.Enum):
+    """One axis of a layer's cache tensor."""
+
+    KV = "kv"  # 0 = keys, 1 = values
+    BLOCKS = "num_blocks"
+    BLOCK_SIZE = "block_size"
+    HEADS = "num_heads"
+    HEAD_SIZE = "head_size"
+    STATE_SLOTS = "num_state_slots"
+    STATE = "state"  # everything after the slot axis of a recurrent state, flattened
+
+
+_KV, _NB, _BS, _NH, _HS = Axis.KV, Axis.BLOCKS, Axis.BLOCK_SIZE, Axis.HEADS, Axis.HEAD_SIZE
+
+
+class KVLayout(enum.Enum):
+    """How one layer's cache is laid out.
+
+    ============== ===================================================== ========================
+    member         axes of each tensor                                   tensors per layer
+    ============== ===================================================== ========================
+    FLASH_ATTN     ``[2, num_blocks, block_size, num_heads, head_size]`` one (vLLM FlashAttention)
+    FLASH_ATTN_HND ``[2, num_blocks, num_heads, block_size, head_size]`` one
+    FLASHINFER     ``[num_blocks, 2, block_size, num_heads, head_size]`` one (FlashInfer NHD)
+    FLASHINFER_HND ``[num_blocks, 2, num_heads, block_size, head_size]`` one (FlashInfer HND)
+    MLA            ``[num_blocks, block_size, head_size]``               one latent, kv_size 1
+    KV_SPLIT       ``[num_blocks, block_size, num_heads, head_size]``    two: ``(k, v)``
+    KV_SPLIT_HND   ``[num_blocks, num_heads, block_size, head_size]``    two: ``(k, v)``
+    RECURRENT      ``[num_state_slots, *state_shape]``                   one or more states
+    ============== ===================================================== ========================
+    """
+
+    FLASH_ATTN = "flash_attn"
+    FLASH_ATTN_HND = "flash_attn_hnd"
+    FLASHINFER = "flashinfer"
+    FLASHINFER_HND = "flashinfer_hnd"
+    MLA = "mla"
+    KV_SPLIT = "kv_split"
+    KV_SPLIT_HND = "kv_split_hnd"
+    RECURRENT = "recurrent"
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """Axis order of each tensor of a layer in this layout."""
+        return _AXES[self]
+
+    @property
+    def tensors_per_layer(self) -> int | None:
+        """2 for separate K and V tensors, 1 for one tensor, None for any number (states)."""
+        if self in (KVLayout.KV_SPLIT, KVLayout.KV_SPLIT_HND):
+            return 2
+        if self is KVLayout.RECURRENT:
+            return None
+        return 1
+
+    @property
+    def kv_size(self) -> int:
+        """Planes in a stored chunk: 2 (keys, values) or 1 (MLA latent, recurrent state)."""
+        if Axis.KV in self.axes or self.tensors_per_layer == 2:
+            return 2
+        return 1
+
+    @property
+    def is_token_indexed(self) -> bool:
+        """Whether the cache is addressed by token slots (False for recurrent state)."""
+        return self is not KVLayout.RECURRENT
+
+    @property
+    def rank(self) -> int | None:
+        """Rank of each tensor, or None where it varies (recurrent states)."""
+        return None if self is KVLayout.RECURRENT else len(self.axes)
+
+    @classmethod
+    def parse(cls, name: str) -> KVLayout:
+        """A layout from its value (``"flashinfer"``); for the CLI and serialized data."""
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(member.value for member in cls)
+            raise KVGroupsError(f"unknown layout {name!r}; expected one of {known}") from None
+
+
+_AXES: dict[KVLayout, tuple[Axis, ...]] = {
+    KVLayout.FLASH_ATTN: (_KV, _NB, _BS, _NH, _HS),
+    KVLayout.FLASH_ATTN_HND: (_KV, _NB, _NH, _BS, _HS),
+    KVLayout.FLASHINFER: (_NB, _KV, _BS, _NH, _HS),
+    KVLayout.FLASHINFER_HND: (_NB, _KV, _NH, _BS, _HS),
+    KVLayout.MLA: (_NB, _BS, _HS),
+    KVLayout.KV_SPLIT: (_NB, _BS, _NH, _HS),
+    KVLayout.KV_SPLIT_HND: (_NB, _NH, _BS, _HS),
+    KVLayout.RECURRENT: (Axis.STATE_SLOTS, Axis.STATE),
+}
+
+# The order a token's row is stored in a chunk: [num_blocks, block_size, num_heads, head_size].
+TOKEN_MAJOR_AXES: tuple[Axis, ...] = (_NB, _BS, _NH, _HS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheGeometry:
+    """Sizes of one layer's cache, whatever its layout.
+
+    For a recurrent state, ``num_blocks`` counts state slots (one per sequence), ``block_size``
+    and ``num_heads`` are 1 and ``head_size`` is the state's elements per slot, so that
+    ``hidden_dim_size`` is what one slot stores.
+    """
+
+    kv_size: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_size: int
+
+    @property
+    def hidden_dim_size(self) -> int:
+        """Elements one token (one slot, for states) stores per K or V plane."""
+        return self.num_heads * self.head_size
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots (or state slots) the cache holds: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+
+def geometry(layout: KVLayout, shape: Sequence[int]) -> CacheGeometry:
+    """Sizes of a cache whose (per-tensor) ``shape`` is in ``layout``.
+
+    For RECURRENT, ``shape`` is ``[num_state_slots, state_elements]`` (states flattened).
+    """
+    axes = layout.axes
+    if len(shape) != len(axes):
+        raise KVGroupsError(
+            f"layout {layout.value} expects rank {len(axes)} "
+            f"[{', '.join(axis.value for axis in axes)}], got shape {list(shape)}"
+        )
+    size = dict(zip(axes, (int(dim) for dim in shape), strict=True))
+    if layout is KVLayout.RECURRENT:
+        return CacheGeometry(
+            kv_size=1, num_blocks=size[Axis.STATE_SLOTS], block_size=1, num_heads=1,
+            head_size=size[Axis.STATE],
+        )
+    return CacheGeometry(
+        kv_size=size.get(_KV, layout.kv_size),
+        num_blocks=size[_NB],
+        block_size=size[_BS],
+        num_heads=size.get(_NH, 1),
+        head_size=size[_HS],
+    )
+
+
+def shape_for(layout: KVLayout, sizes: CacheGeometry) -> torch.Size:
+    """The per-tensor shape of a cache with ``sizes`` in ``layout`` (inverse of :func:`geometry`)."""
+    if layout is KVLayout.RECURRENT:
+        return torch.Size([sizes.num_blocks, sizes.head_size])
+    by_axis = {
+        _KV: sizes.kv_size, _NB: sizes.num_blocks, _BS: sizes.block_size,
+        _NH: sizes.num_heads, _HS: sizes.head_size,
+    }
+    return torch.Size([by_axis[axis] for axis in layout.axes])
+
+
+def detect_layout(value: object) -> KVLayout | None:
+    """The layout a cache value unambiguously has, or None.
+
+    A list or tuple of two tensors is KV_SPLIT; a rank-3 tensor is MLA; a rank-5 tensor is
+    FLASH_ATTN when its dim 0 is 2 (read as the K/V axis, as LMCache does, even when num_blocks
+    is 2 too) and FLASHINFER when only its dim 1 is 2. Heads-before-block-size (HND) orders
+    cannot be told apart from a shape and must be passed explicitly.
+    """
+    if isinstance(value, (list, tuple)):
+        return KVLayout.KV_SPLIT if len(value) == 2 else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    shape = value.shape
+    if len(shape) == 3:
+        return KVLayout.MLA
+    if len(shape) == 5:
+        if shape[0] == 2:
+            return KVLayout.FLASH_ATTN
+        if shape[1] == 2:
+            return KVLayout.FLASHINFER
+    return None
+
+
+def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int) -> torch.Tensor:
+    """A view ``[num_blocks, block_size, num_heads, head_size]`` of plane ``kv_index`` of a tensor.
+
+    Writes through the returned view land in ``tensor`` (it is never a copy). For MLA the heads
+    axis has size 1; for KV_SPLIT layouts ``tensor`` is the K or the V tensor itself.
+    """
+    axes = layout.axes
+    if _KV in axes:
+        tensor = tensor.select(axes.index(_KV), kv_index)
+        axes = tuple(axis for axis in axes if axis is not _KV)
+    if _NH not in axes:
+        tensor = tensor.unsqueeze(axes.index(_HS))
+        axes = axes[:-1] + (_NH, _HS)
+    return tensor.permute([axes.index(axis) for axis in TOKEN_MAJOR_AXES])
