@@ -74,8 +74,8 @@ def main() -> None:
         reference = None
         print("LMCache not importable: showing kvgroups only (pip install --no-deps lmcache==0.4.1)")
     header = (
-        f"| layers | groups | build µs (ours) | build µs (LMCache) | build ratio | "
-        f"lookup by index ns (ours / LMCache) | speedup | lookup by name ns (ours / LMCache) | speedup |"
+        "| layers | groups | build µs (ours) | build µs (LMCache) | build ratio | "
+        "lookup by index ns (ours / LMCache) | speedup | lookup by name ns (ours / LMCache) | speedup |"
     )
     print(header)
     print("|---" * 9 + "|")

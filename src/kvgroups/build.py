@@ -73,7 +73,8 @@ def _kv_pair(value: object, layout: KVLayout) -> torch.Tensor:
     ):
         raise _LayerTypeError(f"layout {layout.value} takes a (k, v) pair of tensors, "
                               f"got {describe_value(value)}")
-    key, val = value
+    key: torch.Tensor = value[0]
+    val: torch.Tensor = value[1]
     if key.shape != val.shape or key.dtype != val.dtype or key.device != val.device:
         raise _LayerValueError(
             f"K {describe_value(key)} and V {describe_value(val)} differ; "

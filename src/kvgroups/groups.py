@@ -15,9 +15,9 @@ from typing import Any, SupportsIndex, TypeVar
 
 import torch
 
+from kvgroups.build import GroupKey, LayoutArg, plan_groups
 from kvgroups.dtypes import dtype_from_name, dtype_name
 from kvgroups.errors import KVGroupsError, StaleGroupsError
-from kvgroups.build import GroupKey, LayoutArg, plan_groups
 from kvgroups.formatting import compact_ranges
 from kvgroups.kinds import LayerCacheSpec, LayerKind, default_spec, spec_from_dict
 from kvgroups.layouts import CacheGeometry, KVLayout, detect_layout, geometry
@@ -57,7 +57,7 @@ class _TrackedList(list[_T]):
         list.__delitem__(self, *args)
         _bump()
 
-    def __iadd__(self, other: Iterable[_T]) -> _TrackedList[_T]:  # type: ignore[override]
+    def __iadd__(self, other: Iterable[_T]) -> _TrackedList[_T]:  # type: ignore[override, misc]
         list.extend(self, other)
         _bump()
         return self

@@ -212,5 +212,5 @@ def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int) -> tor
         axes = tuple(axis for axis in axes if axis is not _KV)
     if _NH not in axes:
         tensor = tensor.unsqueeze(axes.index(_HS))
-        axes = axes[:-1] + (_NH, _HS)
+        axes = (*axes[:-1], _NH, _HS)
     return tensor.permute([axes.index(axis) for axis in TOKEN_MAJOR_AXES])

@@ -225,7 +225,7 @@ class LMCacheMetadata:
             worker_id=data["worker_id"],
             local_worker_id=data["local_worker_id"],
             kv_dtype=dtype_from_name(data["kv_dtype"]),
-            kv_shape=tuple(data["kv_shape"]),  # type: ignore[arg-type]
+            kv_shape=tuple(data["kv_shape"]),
             use_mla=data.get("use_mla", False),
             role=data.get("role"),
             served_model_name=data.get("served_model_name"),

@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (the main job) and `make test` (ruff, mypy --strict, pytest).
+# Both set up .venv on first use. torch is pinned to the CPU build first so that pip never
+# resolves a bare `torch` requirement to a multi-GB CUDA build.
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	# LMCache (the reference) for the differential test and benchmarks; --no-deps keeps torch as is.
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps lmcache==0.4.1
+	touch $@
+
+.PHONY: setup demo test bench
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/kvgroups inspect qwen3-next-80b-a3b-thinking --tp 2 --tokens 131072 --seqs 8
+
+test: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/groups.py
+	$(BIN)/python benchmarks/transfer.py
