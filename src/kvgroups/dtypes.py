@@ -44,8 +44,3 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise KVGroupsError(
             f"unknown dtype name {name!r}; expected one of {', '.join(_BY_NAME)}"
         ) from None
-
-
-def dtype_size_bytes(dtype: torch.dtype) -> int:
-    """Bytes of one element of ``dtype``."""
-    return torch.empty((), dtype=dtype, device="meta").element_size()

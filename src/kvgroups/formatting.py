@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 # An arithmetic run with a step above 1 is written out only when it is at least this long.
-_MIN_STRIDED_RUN = 4
+_MIN_STRIDED_RUN = 5
 
 
 def compact_ranges(indices: Sequence[int]) -> str:
