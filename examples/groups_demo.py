@@ -38,10 +38,8 @@ def main() -> None:
         for i, name in enumerate(gpt_oss)
     }
     show("gpt-oss-20b", gpt_oss, specs, False)
-    deepseek = {
-        f"model.layers.{i}.self_attn.attn": torch.empty(NUM_BLOCKS, BLOCK_SIZE, 576, dtype=torch.bfloat16, device="meta")
-        for i in range(61)
-    }
+    latent = torch.empty(NUM_BLOCKS, BLOCK_SIZE, 576, dtype=torch.bfloat16, device="meta")
+    deepseek = {f"model.layers.{i}.self_attn.attn": latent for i in range(61)}
     show("deepseek-v3", deepseek, {}, True)
 
 
