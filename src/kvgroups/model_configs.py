@@ -42,7 +42,7 @@ class _Config:
             value = self.defaults.get(name, fallback)
         return value
 
-    def int(self, name: str, *, minimum: int = 1) -> int:
+    def integer(self, name: str, *, minimum: int = 1) -> int:
         value = self.get(name)
         if value is None:
             raise ModelConfigError(f"config (model_type {self.model_type!r}) lacks field {name!r}")
@@ -64,8 +64,8 @@ class _Config:
         """The first of ``names`` (default ``head_dim``) set, else hidden_size / num_attention_heads."""
         for name in names or ("head_dim",):
             if self.get(name) is not None:
-                return self.int(name)
-        hidden, heads = self.int("hidden_size"), self.int("num_attention_heads")
+                return self.integer(name)
+        hidden, heads = self.integer("hidden_size"), self.integer("num_attention_heads")
         if hidden % heads:
             raise ModelConfigError(
                 f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} and no "
@@ -75,8 +75,8 @@ class _Config:
 
     def num_kv_heads(self) -> int:
         if self.get("num_key_value_heads") is None:
-            return self.int("num_attention_heads")
-        return self.int("num_key_value_heads")
+            return self.integer("num_attention_heads")
+        return self.integer("num_key_value_heads")
 
     def sliding_window(self) -> int | None:
         """The window when set, not disabled and smaller than the longest context."""
@@ -113,10 +113,10 @@ def supported_model_types() -> list[str]:
 
 def _from_layer_types(config: _Config, layer_types: Sequence[Any]) -> list[ModelLayer]:
     """Layers from a ``layer_types`` list (gpt-oss, gemma, qwen3-next, ministral, ...)."""
-    if len(layer_types) != config.int("num_hidden_layers"):
+    if len(layer_types) != config.integer("num_hidden_layers"):
         raise ModelConfigError(
             f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
-            f"{config.int('num_hidden_layers')}"
+            f"{config.integer('num_hidden_layers')}"
         )
     layers: list[ModelLayer] = []
     for index, layer_type in enumerate(layer_types):
@@ -126,7 +126,7 @@ def _from_layer_types(config: _Config, layer_types: Sequence[Any]) -> list[Model
             window = config.sliding_window()
             layers.append(config.attention(SlidingWindow(window_tokens=window) if window else FullAttention()))
         elif layer_type == "chunked_attention":
-            layers.append(config.attention(ChunkedLocal(chunk_tokens=config.int("attention_chunk_size"))))
+            layers.append(config.attention(ChunkedLocal(chunk_tokens=config.integer("attention_chunk_size"))))
         elif layer_type == "linear_attention" and config.model_type == "qwen3_next":
             layers.append(_gated_deltanet(config))
         else:
@@ -141,11 +141,11 @@ def _from_layer_types(config: _Config, layer_types: Sequence[Any]) -> list[Model
 def _llama_like(config: _Config) -> list[ModelLayer]:
     """Every layer alike; sliding where a window applies (qwen: from layer max_window_layers on)."""
     config.require(*_GENERIC_FIELDS)
-    num_layers = config.int("num_hidden_layers")
+    num_layers = config.integer("num_hidden_layers")
     window = config.sliding_window()
     first_sliding = 0
     if config.model_type.startswith("qwen") and config.get("max_window_layers") is not None:
-        first_sliding = config.int("max_window_layers", minimum=0)
+        first_sliding = config.integer("max_window_layers", minimum=0)
     return [
         config.attention(
             SlidingWindow(window_tokens=window) if window and index >= first_sliding else FullAttention()
@@ -158,7 +158,7 @@ def _llama_like(config: _Config) -> list[ModelLayer]:
                              "num_key_value_heads": 4})
 def _gemma2(config: _Config) -> list[ModelLayer]:
     """Even layers slide, odd layers are global."""
-    num_layers = config.int("num_hidden_layers")
+    num_layers = config.integer("num_hidden_layers")
     return _from_layer_types(
         config, ["sliding_attention" if (index + 1) % 2 else "full_attention" for index in range(num_layers)]
     )
@@ -169,8 +169,8 @@ def _gemma2(config: _Config) -> list[ModelLayer]:
                                             "num_hidden_layers": 26, "num_attention_heads": 8})
 def _gemma3(config: _Config) -> list[ModelLayer]:
     """Every ``sliding_window_pattern``-th layer (default 6) is global, the rest slide."""
-    pattern = config.int("sliding_window_pattern") if config.get("sliding_window_pattern") else 6
-    num_layers = config.int("num_hidden_layers")
+    pattern = config.integer("sliding_window_pattern") if config.get("sliding_window_pattern") else 6
+    num_layers = config.integer("num_hidden_layers")
     return _from_layer_types(
         config, ["sliding_attention" if (index + 1) % pattern else "full_attention" for index in range(num_layers)]
     )
@@ -178,7 +178,7 @@ def _gemma3(config: _Config) -> list[ModelLayer]:
 
 @_reader("gpt_oss", defaults={"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072})
 def _gpt_oss(config: _Config) -> list[ModelLayer]:
-    num_layers = config.int("num_hidden_layers")
+    num_layers = config.integer("num_hidden_layers")
     return _from_layer_types(
         config, ["sliding_attention" if (index + 1) % 2 else "full_attention" for index in range(num_layers)]
     )
@@ -187,17 +187,17 @@ def _gpt_oss(config: _Config) -> list[ModelLayer]:
 @_reader("deepseek_v2", "deepseek_v3", "kimi_k2")
 def _mla(config: _Config) -> list[ModelLayer]:
     """Multi-head latent attention on every layer (MTP layers are not counted)."""
-    layer = MLALayer(kv_lora_rank=config.int("kv_lora_rank"), qk_rope_head_dim=config.int("qk_rope_head_dim"))
-    return [layer] * config.int("num_hidden_layers")
+    layer = MLALayer(kv_lora_rank=config.integer("kv_lora_rank"), qk_rope_head_dim=config.integer("qk_rope_head_dim"))
+    return [layer] * config.integer("num_hidden_layers")
 
 
 def _gated_deltanet(config: _Config) -> GatedDeltaNetLayer:
     return GatedDeltaNetLayer(
-        num_key_heads=config.int("linear_num_key_heads"),
-        key_head_dim=config.int("linear_key_head_dim"),
-        num_value_heads=config.int("linear_num_value_heads"),
-        value_head_dim=config.int("linear_value_head_dim"),
-        conv_kernel=config.int("linear_conv_kernel_dim", minimum=2),
+        num_key_heads=config.integer("linear_num_key_heads"),
+        key_head_dim=config.integer("linear_key_head_dim"),
+        num_value_heads=config.integer("linear_num_value_heads"),
+        value_head_dim=config.integer("linear_value_head_dim"),
+        conv_kernel=config.integer("linear_conv_kernel_dim", minimum=2),
     )
 
 
@@ -208,8 +208,8 @@ def _gated_deltanet(config: _Config) -> GatedDeltaNetLayer:
 })
 def _qwen3_next(config: _Config) -> list[ModelLayer]:
     """Every ``full_attention_interval``-th layer is full attention, the others Gated DeltaNet."""
-    interval = config.int("full_attention_interval")
-    num_layers = config.int("num_hidden_layers")
+    interval = config.integer("full_attention_interval")
+    num_layers = config.integer("num_hidden_layers")
     return _from_layer_types(
         config,
         ["linear_attention" if (index + 1) % interval else "full_attention" for index in range(num_layers)],
@@ -236,9 +236,9 @@ def _nemotron_h(config: _Config) -> list[ModelLayer]:
     else:
         raise ModelConfigError("nemotron_h config lacks hybrid_override_pattern (or layers_block_type)")
     mamba = Mamba2Layer(
-        num_heads=config.int("mamba_num_heads"), head_dim=config.int("mamba_head_dim"),
-        n_groups=config.int("n_groups"), state_size=config.int("ssm_state_size"),
-        conv_kernel=config.int("conv_kernel", minimum=2),
+        num_heads=config.integer("mamba_num_heads"), head_dim=config.integer("mamba_head_dim"),
+        n_groups=config.integer("n_groups"), state_size=config.integer("ssm_state_size"),
+        conv_kernel=config.integer("conv_kernel", minimum=2),
     )
     layers: list[ModelLayer] = []
     for index, symbol in enumerate(symbols):
@@ -261,7 +261,7 @@ def _nemotron_nas(config: _Config) -> list[ModelLayer]:
     blocks = config.get("block_configs")
     if not isinstance(blocks, list) or not blocks:
         raise ModelConfigError("nemotron-nas config lacks a non-empty block_configs list")
-    heads = config.int("num_attention_heads")
+    heads = config.integer("num_attention_heads")
     head_size = config.head_size()
     layers: list[ModelLayer] = []
     for index, block in enumerate(blocks):
@@ -292,10 +292,10 @@ def _nemotron_nas(config: _Config) -> list[ModelLayer]:
 })
 def _llama4(config: _Config) -> list[ModelLayer]:
     """Chunked local attention on RoPE layers; NoPE layers (every 4th by default) are global."""
-    num_layers = config.int("num_hidden_layers")
+    num_layers = config.integer("num_hidden_layers")
     rope_flags = config.get("no_rope_layers")
     if not rope_flags:  # empty or missing: a NoPE layer every no_rope_layer_interval layers
-        interval = config.int("no_rope_layer_interval")
+        interval = config.integer("no_rope_layer_interval")
         rope_flags = [int((index + 1) % interval != 0) for index in range(num_layers)]
     chunk = config.get("attention_chunk_size")
     return _from_layer_types(
