@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/kvgroups inspect qwen3-next-80b-a3b-thinking --tp 2 --tokens 131072 --seqs 8
+	$(BIN)/kvgroups inspect qwen3-next-80b-a3b-thinking --tp 2 --memory 8 --tokens 131072 --seqs 8
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .

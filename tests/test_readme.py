@@ -1,0 +1,23 @@
+"""The README's code runs and says what it prints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from kvgroups import LayerKind
+
+README = (Path(__file__).parents[1] / "README.md").read_text()
+
+
+def test_library_usage_block_runs_and_its_comments_hold() -> None:
+    (block,) = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    manager, metadata, other = namespace["manager"], namespace["metadata"], namespace["other"]
+    assert manager.num_groups == 2  # type: ignore[attr-defined]
+    assert manager.get_group_by_layer_idx(3).kind is LayerKind.FULL_ATTENTION  # type: ignore[attr-defined]
+    assert metadata.get_shapes() == [torch.Size([2, 12, 256, 512])] * 2  # type: ignore[attr-defined]
+    assert other.kv_layer_groups[0].hidden_dim_size == 512  # type: ignore[attr-defined]
