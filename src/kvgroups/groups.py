@@ -134,6 +134,7 @@ class KVLayerGroupInfo:
     _layer_indices_set: set[int] = field(default_factory=set, compare=False)
     _layer_names_set: set[str] = field(default_factory=set, compare=False)
     _sets_generation: int = field(default=-1, compare=False)
+    _geometry_cache: tuple[torch.Size, KVLayout, CacheGeometry] | None = field(default=None, compare=False)
 
     def __init__(
         self,
@@ -198,6 +199,7 @@ class KVLayerGroupInfo:
         self.layout = layout
         self.spec = spec
         self._sets_generation = -1
+        self._geometry_cache = None
 
     @classmethod
     def _trusted(
@@ -251,7 +253,13 @@ class KVLayerGroupInfo:
     # --- additions -----------------------------------------------------------------------
     @property
     def geometry(self) -> CacheGeometry:
-        return geometry(self.layout, self.shape)
+        # Asked for on every property access in hot paths; recomputed only when shape or layout
+        # were replaced (both are immutable values, so identity tells).
+        cached = self._geometry_cache
+        if cached is None or cached[0] is not self.shape or cached[1] is not self.layout:
+            cached = (self.shape, self.layout, geometry(self.layout, self.shape))
+            self._geometry_cache = cached
+        return cached[2]
 
     @property
     def kind(self) -> LayerKind:

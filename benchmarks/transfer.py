@@ -1,0 +1,142 @@
+"""Pack/unpack throughput on a Llama-3.1-8B-like layer set, against memory bandwidth and the naive way.
+
+32 layers of vLLM FlashAttention caches ``[2, num_blocks, 16, 8, 128]`` bf16 (2 GiB in all by
+default, so chunks are not cache-hot: each iteration moves a different 256-token chunk), allocated
+  * one tensor per layer (as vLLM and SGLang allocate them), or
+  * as views of one pool for all layers (as engines with a single KV pool allocate them),
+for
+  * block-aligned slot mappings over a shuffled block table, and
+  * arbitrary distinct slots (a random permutation of every slot, 256 at a time).
+Baselines, measured in the same run:
+  (a) one contiguous copy of the same number of bytes from a source that is not cache-hot
+      (the memory-bandwidth limit);
+  (b) the straightforward way: per layer, ``index_select`` of the token rows (``index_copy_``
+      for unpack).
+GB/s counts the chunk's bytes once. Ratios above 1 against (b) mean kvgroups is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvgroups import KVLayerGroupsManager
+from kvgroups.transfer import pack, unpack
+
+NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, CHUNK = 32, 16, 8, 128, 256
+HIDDEN = NUM_KV_HEADS * HEAD_SIZE
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(action: Callable[[int], None], iterations: int, device: torch.device) -> float:
+    action(0)  # warm-up: allocator, kernels
+    times = []
+    for iteration in range(1, iterations + 1):
+        synchronize(device)
+        begin = time.perf_counter()
+        action(iteration)
+        synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def copy_seconds(chunk: torch.Tensor, cache_gib: float, chunks_in_pool: int, iterations: int,
+                 device: torch.device) -> float:
+    """Baseline (a): one contiguous copy of a chunk's bytes from a source that is not cache-hot."""
+    source = torch.empty(int(cache_gib * (1 << 30)) // 2, dtype=torch.bfloat16, device=device).fill_(1)
+
+    def contiguous_copy(iteration: int) -> None:
+        offset = iteration % chunks_in_pool * chunk.numel()
+        chunk.view(-1).copy_(source[offset:offset + chunk.numel()])
+
+    return median_seconds(contiguous_copy, iterations, device)
+
+
+def run(allocation: str, cache_gib: float, iterations: int, device: torch.device) -> list[str]:
+    torch.manual_seed(0)
+    block_bytes = NUM_LAYERS * 2 * BLOCK_SIZE * HIDDEN * 2
+    num_blocks = int(cache_gib * (1 << 30)) // block_bytes
+    layer_shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    if allocation == "pool":
+        pool = torch.randn(NUM_LAYERS, *layer_shape, device=device).to(torch.bfloat16)
+        layers = list(pool.unbind(0))
+    else:
+        layers = [torch.randn(*layer_shape, device=device).to(torch.bfloat16) for _ in range(NUM_LAYERS)]
+    caches = {f"model.layers.{index}.self_attn.attn": layer for index, layer in enumerate(layers)}
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    chunk = torch.empty(2, NUM_LAYERS, CHUNK, HIDDEN, dtype=torch.bfloat16, device=device)
+    chunk_bytes = chunk.numel() * chunk.element_size()
+    chunks_in_pool = num_blocks * BLOCK_SIZE // CHUNK
+    block_table = torch.randperm(num_blocks)
+    arange = torch.arange(BLOCK_SIZE)
+    every_slot = torch.randperm(num_blocks * BLOCK_SIZE)
+
+    def aligned_slots(iteration: int) -> torch.Tensor:
+        position = iteration % chunks_in_pool * (CHUNK // BLOCK_SIZE)
+        blocks = block_table[position:position + CHUNK // BLOCK_SIZE]
+        return (blocks[:, None] * BLOCK_SIZE + arange).flatten().to(device)
+
+    def arbitrary_slots(iteration: int) -> torch.Tensor:
+        position = iteration % chunks_in_pool * CHUNK
+        return every_slot[position:position + CHUNK].to(device)
+
+    bandwidth = copy_seconds(chunk, cache_gib, chunks_in_pool, iterations, device)
+    rows = [f"| {allocation} | (a) contiguous copy | - | - | {chunk_bytes / bandwidth / 1e9:.2f} | 1.00 | - |"]
+    for label, slots_of in (("block-aligned", aligned_slots), ("arbitrary slots", arbitrary_slots)):
+        def ours_pack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
+            pack(manager, caches, slots_of(iteration), out=[chunk])
+
+        def naive_pack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
+            slots = slots_of(iteration)
+            for layer, cache in enumerate(layers):
+                chunk[:, layer] = cache.view(2, -1, HIDDEN).index_select(1, slots)
+
+        def ours_unpack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
+            unpack(manager, caches, [chunk], slots_of(iteration))
+
+        def naive_unpack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
+            slots = slots_of(iteration)
+            for layer, cache in enumerate(layers):
+                cache.view(2, -1, HIDDEN).index_copy_(1, slots, chunk[:, layer])
+
+        for op, ours, naive in (("pack", ours_pack, naive_pack), ("unpack", ours_unpack, naive_unpack)):
+            ours_seconds = median_seconds(ours, iterations, device)
+            naive_seconds = median_seconds(naive, iterations, device)
+            rows.append(
+                f"| {allocation} | {label} | {op} | {chunk_bytes / ours_seconds / 1e9:.2f} | "
+                f"{chunk_bytes / naive_seconds / 1e9:.2f} | {bandwidth / ours_seconds:.2f} | "
+                f"{naive_seconds / ours_seconds:.2f}x |"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache-gib", type=float, default=2.0, help="total size of the caches (>= 1)")
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--allocation", choices=["per-layer", "pool", "both"], default="both")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"{NUM_LAYERS} layers x [2, num_blocks, {BLOCK_SIZE}, {NUM_KV_HEADS}, {HEAD_SIZE}] bf16, "
+          f"{args.cache_gib} GiB of caches on {device}; chunk [2, {NUM_LAYERS}, {CHUNK}, {HIDDEN}] = "
+          f"{2 * NUM_LAYERS * CHUNK * HIDDEN * 2 >> 20} MiB; torch threads {torch.get_num_threads()}\n")
+    print("| allocation | slot mapping | op | kvgroups GB/s | (b) per-layer index_select GB/s | vs (a) copy | vs (b) |")
+    print("|---|---|---|---|---|---|---|")
+    allocations = ["per-layer", "pool"] if args.allocation == "both" else [args.allocation]
+    for allocation in allocations:
+        for row in run(allocation, args.cache_gib, args.iterations, device):
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
