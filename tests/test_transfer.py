@@ -1,0 +1,348 @@
+"""pack/unpack against a slow reference written plainly here, for every layout and dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgroups import (
+    ChunkMismatchError,
+    KVGroupsError,
+    KVLayerGroupsManager,
+    KVLayout,
+    LMCacheMetadata,
+    RecurrentState,
+    SlotMappingError,
+)
+from kvgroups.transfer import pack, unpack
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+# token (block b, offset o) of plane kv -> its [num_heads, head_size] (MLA: [head_size]) elements,
+# spelled out per layout, independently of kvgroups' axis tables.
+READ: dict[KVLayout, Callable[[Any, int, int, int], torch.Tensor]] = {
+    KVLayout.FLASH_ATTN: lambda cache, kv, b, o: cache[kv, b, o],
+    KVLayout.FLASH_ATTN_HND: lambda cache, kv, b, o: cache[kv, b, :, o],
+    KVLayout.FLASHINFER: lambda cache, kv, b, o: cache[b, kv, o],
+    KVLayout.FLASHINFER_HND: lambda cache, kv, b, o: cache[b, kv, :, o],
+    KVLayout.MLA: lambda cache, kv, b, o: cache[b, o],
+    KVLayout.KV_SPLIT: lambda cache, kv, b, o: cache[kv][b, o],
+    KVLayout.KV_SPLIT_HND: lambda cache, kv, b, o: cache[kv][b, :, o],
+}
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def make_cache(layout: KVLayout, nb: int, bs: int, nh: int, hs: int, dtype: torch.dtype, storage: str,
+               generator: torch.Generator) -> Any:
+    """One layer's cache; storage "permuted" builds HND layouts as views of NHD storage."""
+    def tensor(shape: tuple[int, ...]) -> torch.Tensor:
+        return random_tensor(shape, dtype, generator)
+
+    if layout is KVLayout.FLASH_ATTN:
+        return tensor((2, nb, bs, nh, hs))
+    if layout is KVLayout.FLASHINFER:
+        return tensor((nb, 2, bs, nh, hs))
+    if layout is KVLayout.MLA:
+        return tensor((nb, bs, hs))
+    if layout is KVLayout.KV_SPLIT:
+        return (tensor((nb, bs, nh, hs)), tensor((nb, bs, nh, hs)))
+    permuted = storage == "permuted"
+    if layout is KVLayout.FLASH_ATTN_HND:
+        return tensor((2, nb, bs, nh, hs)).permute(0, 1, 3, 2, 4) if permuted else tensor((2, nb, nh, bs, hs))
+    if layout is KVLayout.FLASHINFER_HND:
+        return tensor((nb, 2, bs, nh, hs)).permute(0, 1, 3, 2, 4) if permuted else tensor((nb, 2, nh, bs, hs))
+    assert layout is KVLayout.KV_SPLIT_HND
+    if permuted:
+        return (tensor((nb, bs, nh, hs)).permute(0, 2, 1, 3), tensor((nb, bs, nh, hs)).permute(0, 2, 1, 3))
+    return (tensor((nb, nh, bs, hs)), tensor((nb, nh, bs, hs)))
+
+
+def clone_cache(value: Any) -> Any:
+    """A deep copy that keeps the strides (a permuted view stays a permuted view)."""
+    if isinstance(value, tuple):
+        return tuple(clone_cache(item) for item in value)
+    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+    copy.copy_(value)
+    return copy
+
+
+def bits(value: Any) -> list[torch.Tensor]:
+    tensors = list(value) if isinstance(value, tuple) else [value]
+    return [tensor.contiguous().view(torch.uint8) for tensor in tensors]
+
+
+def reference_pack(layout: KVLayout, caches: dict[str, Any], slots: list[int], bs: int, dtype: torch.dtype,
+                   hidden: int) -> torch.Tensor:
+    kv_size = 1 if layout is KVLayout.MLA else 2
+    chunk = torch.empty(kv_size, len(caches), len(slots), hidden, dtype=dtype)
+    for layer, cache in enumerate(caches.values()):
+        for kv in range(kv_size):
+            for token, slot in enumerate(slots):
+                chunk[kv, layer, token] = READ[layout](cache, kv, slot // bs, slot % bs).reshape(-1)
+    return chunk
+
+
+def reference_unpack(layout: KVLayout, caches: dict[str, Any], chunk: torch.Tensor, slots: list[int], bs: int) -> None:
+    for layer, cache in enumerate(caches.values()):
+        for kv in range(chunk.shape[0]):
+            for token, slot in enumerate(slots):
+                target = READ[layout](cache, kv, slot // bs, slot % bs)
+                target.copy_(chunk[kv, layer, token].view(target.shape))
+
+
+@dataclass
+class Case:
+    layout: KVLayout
+    dtype: torch.dtype
+    nb: int
+    bs: int
+    nh: int
+    hs: int
+    num_layers: int
+    storage: str
+    slot_mode: str
+    seed: int
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    layout = draw(st.sampled_from([layout for layout in KVLayout if layout is not KVLayout.RECURRENT]))
+    return Case(
+        layout=layout,
+        dtype=draw(st.sampled_from(DTYPES)),
+        nb=draw(st.integers(2, 6)),
+        bs=draw(st.sampled_from([1, 2, 4, 16])),
+        nh=1 if layout is KVLayout.MLA else draw(st.sampled_from([1, 2, 3])),
+        hs=draw(st.sampled_from([1, 4, 8])),
+        num_layers=draw(st.integers(1, 3)),
+        storage=draw(st.sampled_from(["contiguous", "permuted", "pool"])),
+        slot_mode=draw(st.sampled_from(["block-aligned", "shuffled-blocks", "arbitrary", "range"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def build(case: Case) -> tuple[dict[str, Any], KVLayerGroupsManager]:
+    generator = torch.Generator().manual_seed(case.seed)
+    if case.storage == "pool" and case.layout in (KVLayout.FLASH_ATTN, KVLayout.FLASHINFER, KVLayout.MLA):
+        # Layers as evenly spaced views of one buffer, as single-pool engines allocate them.
+        one = make_cache(case.layout, case.nb, case.bs, case.nh, case.hs, case.dtype, "contiguous", generator)
+        pool = random_tensor((case.num_layers, *one.shape), case.dtype, generator)
+        caches: dict[str, Any] = {f"layers.{i}": pool[i] for i in range(case.num_layers)}
+    else:
+        caches = {
+            f"layers.{i}": make_cache(case.layout, case.nb, case.bs, case.nh, case.hs, case.dtype, case.storage,
+                                      generator)
+            for i in range(case.num_layers)
+        }
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches, layout=case.layout)
+    return caches, manager
+
+
+def draw_slots(case: Case, data: st.DataObject) -> tuple[torch.Tensor, int, int | None]:
+    capacity = case.nb * case.bs
+    if case.slot_mode in ("block-aligned", "shuffled-blocks"):
+        blocks = data.draw(st.permutations(list(range(case.nb))))
+        if case.slot_mode == "block-aligned":
+            blocks = sorted(blocks)
+        count = data.draw(st.integers(1, case.nb))
+        slots = [block * case.bs + offset for block in blocks[:count] for offset in range(case.bs)]
+        extra = data.draw(st.integers(0, case.bs - 1))  # a partial block at the end
+        spare = [s for s in range(capacity) if s not in set(slots)]
+        slots += spare[:extra]
+        return torch.tensor(slots, dtype=torch.int64), 0, None
+    slots = data.draw(st.lists(st.integers(0, capacity - 1), min_size=1, max_size=capacity, unique=True))
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    if case.slot_mode == "range":
+        start = data.draw(st.integers(0, len(slots)))
+        end = data.draw(st.integers(start, len(slots)))
+        return mapping, start, end
+    return mapping, 0, None
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.data())
+def test_pack_matches_reference_and_unpack_restores_exactly(case: Case, data: st.DataObject) -> None:
+    caches, manager = build(case)
+    slot_mapping, start, end = draw_slots(case, data)
+    slots = slot_mapping[start:end].tolist()
+    hidden = case.nh * case.hs
+    (chunk,) = pack(manager, caches, slot_mapping, start=start, end=end)
+    expected = reference_pack(case.layout, caches, slots, case.bs, case.dtype, hidden)
+    assert chunk.shape == expected.shape and chunk.dtype == case.dtype
+    assert torch.equal(chunk.view(torch.uint8), expected.view(torch.uint8))
+
+    # Unpack into other caches of the same strides: packed slots take the chunk, the rest stay.
+    generator = torch.Generator().manual_seed(case.seed + 1)
+    targets = {
+        name: tuple(t.copy_(random_tensor(t.shape, case.dtype, generator)) for t in clone_cache(value))
+        if isinstance(value, tuple) else clone_cache(value).copy_(random_tensor(value.shape, case.dtype, generator))
+        for name, value in caches.items()
+    }
+    want = {name: clone_cache(value) for name, value in targets.items()}
+    reference_unpack(case.layout, want, expected, slots, case.bs)
+    unpack(manager, targets, [chunk], slot_mapping, start=start, end=end)
+    for name in caches:
+        for got, wanted in zip(bits(targets[name]), bits(want[name]), strict=True):
+            assert torch.equal(got, wanted), name
+
+
+def test_out_buffers_are_filled_in_place_and_match_metadata_shapes() -> None:
+    generator = torch.Generator().manual_seed(0)
+    caches = {f"l{i}": random_tensor((2, 8, 16, 2, 4), torch.bfloat16, generator) for i in range(3)}
+    caches["mla"] = random_tensor((8, 16, 12), torch.bfloat16, generator)
+    metadata = LMCacheMetadata("m", 1, 1, 0, 0, torch.bfloat16, (4, 1, 64, 1, 12), use_mla=True, chunk_size=64)
+    metadata.kv_layer_groups_manager.build_kv_layer_groups(caches)
+    slots = torch.arange(16, 16 + 40)
+    out = [torch.full(shape, 7.0, dtype=dtype) for shape, dtype in
+           zip(metadata.get_shapes(40), metadata.get_dtypes(), strict=True)]
+    result = pack(metadata.kv_layer_groups_manager, caches, slots, out=out)
+    assert all(a is b for a, b in zip(result, out, strict=True))
+    assert [tuple(t.shape) for t in result] == [(2, 3, 40, 8), (1, 1, 40, 12)]
+    assert torch.equal(out[1][0, 0, 0], caches["mla"][1, 0])
+    assert torch.equal(out[0][1, 2, 39], caches["l2"][1, (16 + 39) // 16, (16 + 39) % 16].reshape(-1))
+
+
+def test_recurrent_state_moves_by_state_index() -> None:
+    generator = torch.Generator().manual_seed(1)
+    spec = RecurrentState(state_shapes=((6, 3), (2, 4, 5)))
+    caches: dict[str, Any] = {
+        "attn": random_tensor((2, 4, 16, 2, 8), torch.bfloat16, generator),
+        "mamba0": (random_tensor((5, 6, 3), torch.bfloat16, generator),
+                   random_tensor((5, 2, 4, 5), torch.bfloat16, generator)),
+        "mamba1": (random_tensor((5, 6, 3), torch.bfloat16, generator),
+                   random_tensor((5, 2, 4, 5), torch.bfloat16, generator)),
+    }
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches, {"mamba0": spec, "mamba1": spec})
+    states = [manager.kv_layer_groups[1]]
+    assert states[0].layout is KVLayout.RECURRENT
+    with pytest.raises(KVGroupsError, match=r"groups \[1\] hold recurrent state.*state_indices"):
+        pack(manager, caches, torch.arange(16))
+    chunks = pack(manager, caches, torch.arange(16), state_indices=[3, 0])
+    assert chunks[1].shape == (1, 2, 2, 18 + 40)
+    conv, ssm = caches["mamba1"]
+    assert torch.equal(chunks[1][0, 1, 0], torch.cat([conv[3].flatten(), ssm[3].flatten()]))
+    mamba0 = torch.cat([caches["mamba0"][0][0].flatten(), caches["mamba0"][1][0].flatten()])
+    assert torch.equal(chunks[1][0, 0, 1], mamba0)
+    target = {name: clone_cache(value) for name, value in caches.items()}
+    for name in ("mamba0", "mamba1"):
+        for state in target[name]:
+            state.zero_()
+    unpack(manager, target, chunks, torch.arange(16), state_indices=[4, 1])
+    assert torch.equal(target["mamba1"][1][4], ssm[3]) and torch.equal(target["mamba1"][0][1], caches["mamba1"][0][0])
+    assert not target["mamba1"][1][0].any()  # untouched slot
+    with pytest.raises(SlotMappingError, match=r"state_indices \[5\] outside group 1's \[0, 5\)"):
+        pack(manager, caches, torch.arange(16), state_indices=[5])
+    with pytest.raises(SlotMappingError, match=r"repeat a slot"):
+        unpack(manager, target, chunks, torch.arange(16), state_indices=[1, 1])
+
+
+@pytest.fixture
+def llama_like() -> tuple[dict[str, Any], KVLayerGroupsManager]:
+    generator = torch.Generator().manual_seed(2)
+    caches = {f"l{i}": random_tensor((2, 4, 16, 2, 8), torch.bfloat16, generator) for i in range(2)}
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    return caches, manager
+
+
+def snapshot(caches: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in caches.items()}
+
+
+def assert_unchanged(caches: dict[str, Any], before: dict[str, torch.Tensor]) -> None:
+    assert all(torch.equal(caches[name], before[name]) for name in caches)
+
+
+def test_out_of_range_slots_raise_before_anything_is_written(llama_like: Any) -> None:
+    caches, manager = llama_like
+    (chunk,) = pack(manager, caches, torch.arange(4))
+    before = snapshot(caches)
+    for bad in ([0, 1, 64, 2], [0, -1, 2, 3]):
+        with pytest.raises(SlotMappingError, match=r"1 slot\(s\) outside group 0's \[0, 64\) \(4 blocks x 16\)"):
+            unpack(manager, caches, [chunk], torch.tensor(bad))
+        with pytest.raises(SlotMappingError, match=r"outside group 0"):
+            pack(manager, caches, torch.tensor(bad))
+    assert_unchanged(caches, before)
+
+
+def test_duplicate_slots_in_unpack(llama_like: Any) -> None:
+    caches, manager = llama_like
+    (chunk,) = pack(manager, caches, torch.tensor([5, 5, 6, 7]))  # reading a slot twice is fine
+    before = snapshot(caches)
+    with pytest.raises(SlotMappingError, match=r"several tokens to slots \[5\]"):
+        unpack(manager, caches, [chunk], torch.tensor([5, 5, 6, 7]))
+    assert_unchanged(caches, before)
+
+
+def test_mismatched_chunks_name_the_group(llama_like: Any) -> None:
+    caches, manager = llama_like
+    slots = torch.arange(4)
+    before = snapshot(caches)
+    with pytest.raises(ChunkMismatchError, match=r"chunk for group 0 is \[2, 2, 3, 16\].*needs \[2, 2, 4, 16\]"):
+        unpack(manager, caches, [torch.zeros(2, 2, 3, 16, dtype=torch.bfloat16)], slots)
+    with pytest.raises(ChunkMismatchError, match=r"chunk for group 0 is \[2, 2, 4, 16\] torch.float16.*torch.bfloat16"):
+        unpack(manager, caches, [torch.zeros(2, 2, 4, 16, dtype=torch.float16)], slots)
+    with pytest.raises(ChunkMismatchError, match=r"got 2 chunks for 1 groups"):
+        unpack(manager, caches, [torch.zeros(2, 2, 4, 16, dtype=torch.bfloat16)] * 2, slots)
+    with pytest.raises(ChunkMismatchError, match=r"out for group 0 must be contiguous"):
+        pack(manager, caches, slots, out=[torch.zeros(2, 2, 16, 4, dtype=torch.bfloat16).transpose(2, 3)])
+    with pytest.raises(ChunkMismatchError, match=r"out for group 0 is \[2, 2, 5, 16\]"):
+        pack(manager, caches, slots, out=[torch.zeros(2, 2, 5, 16, dtype=torch.bfloat16)])
+    assert_unchanged(caches, before)
+
+
+def test_bad_slot_mapping_types_and_ranges(llama_like: Any) -> None:
+    caches, manager = llama_like
+    with pytest.raises(TypeError, match=r"1-D int64 tensor, got torch.int32"):
+        pack(manager, caches, torch.arange(4, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"must be an int64 tensor, got list"):
+        pack(manager, caches, [0, 1])  # type: ignore[arg-type]
+    with pytest.raises(SlotMappingError, match=r"start=3, end=2 must satisfy 0 <= start <= end <= 4"):
+        pack(manager, caches, torch.arange(4), start=3, end=2)
+    with pytest.raises(KVGroupsError, match=r"pass a slot_mapping"):
+        pack(manager, caches)
+
+
+def test_caches_that_do_not_match_the_groups(llama_like: Any) -> None:
+    caches, manager = llama_like
+    with pytest.raises(KVGroupsError, match=r"lacks layers the groups name: \['l1'\]"):
+        pack(manager, {"l0": caches["l0"]}, torch.arange(4))
+    wrong = dict(caches, l1=torch.zeros(2, 5, 16, 2, 8, dtype=torch.bfloat16))
+    with pytest.raises(KVGroupsError, match=r"layer 'l1' of group 0 is Tensor\[2, 5, 16, 2, 8\]"):
+        pack(manager, wrong, torch.arange(4))
+
+
+def test_empty_range_gives_empty_chunks(llama_like: Any) -> None:
+    caches, manager = llama_like
+    (chunk,) = pack(manager, caches, torch.arange(4), start=2, end=2)
+    assert chunk.shape == (2, 2, 0, 16)
+    unpack(manager, caches, [chunk], torch.arange(4), start=2, end=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_caches_with_pinned_cpu_chunks() -> None:
+    generator = torch.Generator().manual_seed(3)
+    host = {f"l{i}": random_tensor((2, 16, 16, 4, 32), torch.bfloat16, generator) for i in range(4)}
+    caches = {name: tensor.cuda() for name, tensor in host.items()}
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    slots = torch.randperm(256)[:100]
+    out = [torch.empty(2, 4, 100, 128, dtype=torch.bfloat16).pin_memory()]
+    pack(manager, caches, slots, out=out)
+    (on_device,) = pack(manager, caches, slots.cuda())
+    assert torch.equal(out[0], on_device.cpu())
+    target = {name: torch.zeros_like(tensor) for name, tensor in caches.items()}
+    unpack(manager, target, out, slots)
+    (again,) = pack(manager, target, slots)
+    assert torch.equal(again.cpu(), out[0])
