@@ -145,19 +145,29 @@ def copy_tokens(
     num_planes, num_layers = group.kv_size, group.num_layers
     if shared is not None and _copy_pooled(group, planes, shared, chunk, plan, scatter):
         return
-    # Per-plane destinations as prebuilt views: one C++ call each instead of two indexings a plane.
     split = plan.num_block_tokens if shared is not None and shared.blocks_contiguous else 0
+    item = first.element_size()
+    # Scatters reinterpret rows as one wide type for the whole group, chosen so that every row,
+    # stride and offset involved stays whole; gathers keep the native type (index_select is a memcpy).
+    row_type = first.dtype
+    if scatter and shared is not None:
+        offsets = {int(tensor.storage_offset()) for layer_planes in planes for tensor, _ in layer_planes}
+        row_type = widest(
+            shared.hidden * item, shared.block_stride * item, shared.offset_stride * item,
+            int(chunk.storage_offset()) * item,
+            *(offset * item for offset in offsets), *(offset * item for offset in shared.plane_offsets),
+        )
     rows_per_plane = chunk.view(num_planes * num_layers, plan.num_tokens, -1)
-    block_targets_list: Sequence[torch.Tensor] = ()
+    typed_rows = rows_per_plane.view(row_type)
+    # Destinations as prebuilt views (one C++ call for all planes instead of indexing in the loop).
+    block_targets: Sequence[torch.Tensor] = ()
     if split:
-        block_targets = rows_per_plane[:, :split].view(num_planes * num_layers, split // group.block_size, -1)
-        block_targets_list = block_targets.unbind(0)
-    token_targets_list: Sequence[torch.Tensor] = rows_per_plane[:, split:].unbind(0) if split < plan.num_tokens else ()
+        block_targets = typed_rows[:, :split].view(num_planes * num_layers, split // group.block_size, -1).unbind(0)
+    token_targets: Sequence[torch.Tensor] = typed_rows[:, split:].unbind(0) if split < plan.num_tokens else ()
     token_indices = None
     if shared is not None and split < plan.num_tokens:
         token_indices = (plan.blocks[split:] * (shared.block_stride // shared.hidden)
                          + plan.offsets[split:] * (shared.offset_stride // shared.hidden))
-    item = first.element_size()
     for layer, layer_planes in enumerate(planes):
         for plane_index, (tensor, plane) in enumerate(layer_planes):
             target = plane_index * num_layers + layer
@@ -169,10 +179,20 @@ def copy_tokens(
                 view = tensor.as_strided(
                     (shared.num_blocks, shared.block_size * shared.hidden), (shared.block_stride, 1), base
                 )
-                _copy_rows(view, block_targets_list[target], plan.block_ids, scatter, item)
+                _copy_typed_rows(view, block_targets[target], plan.block_ids, scatter)
             if token_indices is not None:
                 view = tensor.as_strided((shared.num_rows, shared.hidden), (shared.hidden, 1), base)
-                _copy_rows(view, token_targets_list[target], token_indices, scatter, item)
+                _copy_typed_rows(view, token_targets[target], token_indices, scatter)
+
+
+def _copy_typed_rows(rows: torch.Tensor, chunk_rows: torch.Tensor, indices: torch.Tensor, scatter: bool) -> None:
+    """``rows``: native-type row view of a cache; ``chunk_rows``: the chunk's rows, maybe reinterpreted."""
+    if chunk_rows.dtype != rows.dtype:
+        rows = rows.view(chunk_rows.dtype)
+    if scatter:
+        rows.index_put_((indices,), chunk_rows)
+    else:
+        torch.index_select(rows, 0, indices, out=chunk_rows)
 
 
 def _layer_step(planes: Sequence[Sequence[tuple[torch.Tensor, int]]], plane_index: int,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvgroups.errors import ChunkMismatchError, KVGroupsError, SlotMappingError
+from kvgroups.formatting import describe_value
 from kvgroups.groups import KVLayerGroupInfo, KVLayerGroupsManager
 from kvgroups.layouts import KVLayout
 from kvgroups.row_copy import TokenPlan, copy_states, copy_tokens, plan_tokens
@@ -34,40 +35,52 @@ def _group_list(groups: Groups) -> list[KVLayerGroupInfo]:
     raise TypeError(f"groups must be a KVLayerGroupsManager or a list of KVLayerGroupInfo, got {groups!r}")
 
 
-def _check_layer(group_index: int, group: KVLayerGroupInfo, name: str, value: Any) -> None:
+def _layer_matches(group: KVLayerGroupInfo, value: Any) -> bool:
     tensors = list(value) if isinstance(value, (list, tuple)) else [value]
     if group.layout is KVLayout.RECURRENT:
         shapes = [list(shape) for shape in group.spec.state_shapes]  # type: ignore[attr-defined]
-        ok = len(tensors) == len(shapes) and all(
+        return len(tensors) == len(shapes) and all(
             isinstance(t, torch.Tensor) and list(t.shape[1:]) == s and t.shape[0] == group.num_blocks
             and t.dtype == group.dtype for t, s in zip(tensors, shapes, strict=False)
         )
-    else:
-        expected = group.layout.tensors_per_layer or 1
-        ok = len(tensors) == expected and (expected == 2 or not isinstance(value, (list, tuple))) and all(
-            isinstance(t, torch.Tensor) and t.shape == group.shape and t.dtype == group.dtype for t in tensors
-        )
-    if not ok:
-        from kvgroups.formatting import describe_value  # noqa: PLC0415 - error path only
+    expected = group.layout.tensors_per_layer or 1
+    return len(tensors) == expected and (expected == 2 or not isinstance(value, (list, tuple))) and all(
+        isinstance(t, torch.Tensor) and t.shape == group.shape and t.dtype == group.dtype for t in tensors
+    )
 
-        raise KVGroupsError(
-            f"layer {name!r} of group {group_index} is {describe_value(value)}; the group expects "
-            f"{group.layout.tensors_per_layer or 'state'} tensor(s) {list(group.shape)} {group.dtype} "
-            f"in layout {group.layout.value}"
-        )
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else value[0]
 
 
 def _layer_values(groups: list[KVLayerGroupInfo], kv_caches: Mapping[str, Any]) -> list[list[Any]]:
+    """The caches of every group's layers, checked against the groups (shape, dtype, device)."""
     if not isinstance(kv_caches, Mapping):
         raise TypeError(f"kv_caches must be a dict of layer name -> cache, got {type(kv_caches).__name__}")
     missing = [name for group in groups for name in group.layer_names if name not in kv_caches]
     if missing:
         raise KVGroupsError(f"kv_caches lacks layers the groups name: {missing}")
     values = []
+    device: torch.device | None = None
     for index, group in enumerate(groups):
         layer_values = [kv_caches[name] for name in group.layer_names]
+        single = group.layout.tensors_per_layer == 1
         for name, value in zip(group.layer_names, layer_values, strict=True):
-            _check_layer(index, group, name, value)
+            # The common case (one tensor of the group's shape and dtype) costs three comparisons.
+            fits = (single and isinstance(value, torch.Tensor) and value.shape == group.shape
+                    and value.dtype == group.dtype) or (not single and _layer_matches(group, value))
+            if not fits:
+                raise KVGroupsError(
+                    f"layer {name!r} of group {index} is {describe_value(value)}; the group expects "
+                    f"{group.layout.tensors_per_layer or 'state'} tensor(s) {list(group.shape)} {group.dtype} "
+                    f"in layout {group.layout.value}"
+                )
+            layer_device = _first_tensor(value).device
+            if device is None:
+                device = layer_device
+            elif layer_device != device:
+                raise KVGroupsError(f"layer {name!r} is on {layer_device}, other layers on {device}; "
+                                    f"all caches must be on one device")
         values.append(layer_values)
     return values
 
