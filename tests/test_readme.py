@@ -13,7 +13,7 @@ README = (Path(__file__).parents[1] / "README.md").read_text()
 
 
 def test_library_usage_block_runs_and_its_comments_hold() -> None:
-    (block,) = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+    block = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)[0]
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)
     manager, metadata, other = namespace["manager"], namespace["metadata"], namespace["other"]
@@ -21,3 +21,13 @@ def test_library_usage_block_runs_and_its_comments_hold() -> None:
     assert manager.get_group_by_layer_idx(3).kind is LayerKind.FULL_ATTENTION  # type: ignore[attr-defined]
     assert metadata.get_shapes() == [torch.Size([2, 12, 256, 512])] * 2  # type: ignore[attr-defined]
     assert other.kv_layer_groups[0].hidden_dim_size == 512  # type: ignore[attr-defined]
+
+
+def test_data_path_block_runs() -> None:
+    block = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)[1]
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    chunk, kv_caches = namespace["chunk"], namespace["kv_caches"]
+    assert chunk.shape == (2, 4, 256, 1024) and chunk.dtype == torch.bfloat16  # type: ignore[attr-defined]
+    moved = kv_caches["layers.3"][:, 32:48].reshape(2, 256, 1024)  # type: ignore[index]
+    assert torch.equal(moved, chunk[:, 3])  # type: ignore[index]
