@@ -147,22 +147,25 @@ def test_unknown_model_type_without_fields_lists_supported() -> None:
     assert {"llama", "gemma3", "qwen3_next", "nemotron_h", "nemotron-nas", "llama4"} <= set(supported_model_types())
 
 
-def test_missing_and_bad_fields() -> None:
-    config = preset("llama-3.1-8b")
+def _drop_hidden_size(config: dict[str, Any]) -> None:
     del config["hidden_size"]
-    with pytest.raises(ModelConfigError, match=r"lacks fields \['hidden_size'\]"):
-        model_spec_from_config(config)
-    config = preset("llama-3.1-8b")
-    config["num_key_value_heads"] = "8"
-    with pytest.raises(ModelConfigError, match=r"'num_key_value_heads' must be an int >= 1, got '8'"):
-        model_spec_from_config(config)
-    config = preset("gpt-oss-20b")
-    config["layer_types"] = config["layer_types"][:-1]
-    with pytest.raises(ModelConfigError, match=r"layer_types has 23 entries but num_hidden_layers is 24"):
-        model_spec_from_config(config)
-    config = preset("nemotron-h-56b-base-8k")
-    config["hybrid_override_pattern"] = "M*X"
-    with pytest.raises(ModelConfigError, match=r"position 2: 'X'"):
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "pattern"),
+    [
+        ("llama-3.1-8b", _drop_hidden_size, r"lacks fields \['hidden_size'\]"),
+        ("llama-3.1-8b", lambda c: c.update(num_key_value_heads="8"),
+         r"'num_key_value_heads' must be an int >= 1, got '8'"),
+        ("gpt-oss-20b", lambda c: c.update(layer_types=c["layer_types"][:-1]),
+         r"layer_types has 23 entries but num_hidden_layers is 24"),
+        ("nemotron-h-56b-base-8k", lambda c: c.update(hybrid_override_pattern="M*X"), r"position 2: 'X'"),
+    ],
+)
+def test_missing_and_bad_fields(name: str, edit: Any, pattern: str) -> None:
+    config = preset(name)
+    edit(config)
+    with pytest.raises(ModelConfigError, match=pattern):
         model_spec_from_config(config)
 
 

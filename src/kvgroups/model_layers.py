@@ -52,6 +52,22 @@ def split_heads(num_heads: int, tp: int, what: str, layer_index: int) -> tuple[i
     )
 
 
+def split_exactly(count: int, tp: int, what: str, layer_index: int) -> int:
+    """Heads per rank for heads that cannot be replicated (recurrent mixers)."""
+    if count % tp:
+        raise ModelConfigError(
+            f"layer {layer_index}: {what}={count} does not split over --tp {tp}; "
+            f"recurrent heads cannot be replicated"
+        )
+    return count // tp
+
+
+def conv_and_state(conv_channels: int, conv_kernel: int, state_shape: tuple[int, ...]) -> RankCache:
+    """A recurrent layer's cache: a conv state ``(channels, kernel - 1)`` and one state tensor."""
+    spec = RecurrentState(state_shapes=((conv_channels, conv_kernel - 1), state_shape))
+    return RankCache(spec=spec, num_kv_heads=1, head_size=spec.state_elements, replicated=False)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionLayer:
     """Keys and values of ``num_kv_heads`` heads of ``head_size``; ``spec`` says which tokens."""
@@ -108,19 +124,10 @@ class Mamba2Layer:
         return "mamba2"
 
     def rank_cache(self, tp: int, layer_index: int) -> RankCache:
-        if self.num_heads % tp:
-            raise ModelConfigError(
-                f"layer {layer_index}: mamba_num_heads={self.num_heads} does not split over --tp {tp}; "
-                f"mamba heads cannot be replicated"
-            )
-        heads = self.num_heads // tp
+        heads = split_exactly(self.num_heads, tp, "mamba_num_heads", layer_index)
         groups, _ = split_heads(self.n_groups, tp, "n_groups", layer_index)
         conv_channels = heads * self.head_dim + 2 * groups * self.state_size
-        spec = RecurrentState(state_shapes=(
-            (conv_channels, self.conv_kernel - 1),
-            (heads, self.head_dim, self.state_size),
-        ))
-        return RankCache(spec=spec, num_kv_heads=1, head_size=spec.state_elements, replicated=False)
+        return conv_and_state(conv_channels, self.conv_kernel, (heads, self.head_dim, self.state_size))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,20 +149,10 @@ class GatedDeltaNetLayer:
         return "gated_deltanet"
 
     def rank_cache(self, tp: int, layer_index: int) -> RankCache:
-        for what, count in (("linear_num_key_heads", self.num_key_heads),
-                            ("linear_num_value_heads", self.num_value_heads)):
-            if count % tp:
-                raise ModelConfigError(
-                    f"layer {layer_index}: {what}={count} does not split over --tp {tp}; "
-                    f"linear-attention heads cannot be replicated"
-                )
-        key_heads, value_heads = self.num_key_heads // tp, self.num_value_heads // tp
+        key_heads = split_exactly(self.num_key_heads, tp, "linear_num_key_heads", layer_index)
+        value_heads = split_exactly(self.num_value_heads, tp, "linear_num_value_heads", layer_index)
         conv_channels = 2 * key_heads * self.key_head_dim + value_heads * self.value_head_dim
-        spec = RecurrentState(state_shapes=(
-            (conv_channels, self.conv_kernel - 1),
-            (value_heads, self.key_head_dim, self.value_head_dim),
-        ))
-        return RankCache(spec=spec, num_kv_heads=1, head_size=spec.state_elements, replicated=False)
+        return conv_and_state(conv_channels, self.conv_kernel, (value_heads, self.key_head_dim, self.value_head_dim))
 
 
 @dataclass(frozen=True, kw_only=True)
