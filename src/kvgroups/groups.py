@@ -46,9 +46,6 @@ def _bump() -> None:
 class _TrackedList(list[_T]):
     """A list that reports every in-place change (sort, append, item assignment...)."""
 
-    def _changed(self) -> None:
-        _bump()
-
     def __setitem__(self, *args: Any) -> None:
         list.__setitem__(self, *args)
         _bump()

@@ -27,6 +27,7 @@ from kvgroups.row_copy import TokenPlan, copy_states, copy_tokens, plan_tokens
 
 Groups = KVLayerGroupsManager | Sequence[KVLayerGroupInfo]
 
+
 def _group_list(groups: Groups) -> list[KVLayerGroupInfo]:
     if isinstance(groups, KVLayerGroupsManager):
         return list(groups.kv_layer_groups)
@@ -53,8 +54,10 @@ def _first_tensor(value: Any) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else value[0]
 
 
-def _layer_values(groups: list[KVLayerGroupInfo], kv_caches: Mapping[str, Any]) -> list[list[Any]]:
-    """The caches of every group's layers, checked against the groups (shape, dtype, device)."""
+def _layer_values(
+    groups: list[KVLayerGroupInfo], kv_caches: Mapping[str, Any]
+) -> tuple[list[list[Any]], torch.device]:
+    """The caches of every group's layers, checked against the groups, and their one device."""
     if not isinstance(kv_caches, Mapping):
         raise TypeError(f"kv_caches must be a dict of layer name -> cache, got {type(kv_caches).__name__}")
     missing = [name for group in groups for name in group.layer_names if name not in kv_caches]
@@ -82,15 +85,7 @@ def _layer_values(groups: list[KVLayerGroupInfo], kv_caches: Mapping[str, Any]) 
                 raise KVGroupsError(f"layer {name!r} is on {layer_device}, other layers on {device}; "
                                     f"all caches must be on one device")
         values.append(layer_values)
-    return values
-
-
-def _cache_device(values: list[list[Any]]) -> torch.device:
-    for layer_values in values:
-        for value in layer_values:
-            first = value[0] if isinstance(value, (list, tuple)) else value
-            return first.device  # type: ignore[no-any-return]
-    return torch.device("cpu")
+    return values, device or torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -189,8 +184,7 @@ def _prepare(
     state_indices: Any, *, distinct: bool,
 ) -> _Prepared:
     group_list = _group_list(groups)
-    values = _layer_values(group_list, kv_caches)
-    device = _cache_device(values)
+    values, device = _layer_values(group_list, kv_caches)
     slots = None
     if any(group.layout.is_token_indexed for group in group_list):
         if slot_mapping is None:
