@@ -63,7 +63,7 @@ def inspect(name: str, tp: int, kv_dtype: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("name", preset_names())
 def test_bytes_match_the_independent_recomputation(name: str, tp: int, kv_dtype: str) -> None:
     report = inspect(name, tp, kv_dtype)
