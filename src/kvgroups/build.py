@@ -205,6 +205,7 @@ def plan_groups(
     _check_arguments(kv_caches, layer_specs, layout)
     specs = layer_specs or {}
     per_layer = layout if isinstance(layout, Mapping) else None
+    every_layer = layout if isinstance(layout, KVLayout) else None
     type_errors: list[str] = []
     value_errors: list[str] = []
     buckets: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
@@ -224,9 +225,9 @@ def plan_groups(
                 if device != first_device:
                     mixed_devices = True
                 continue
-        layer_layout = per_layer.get(name) if per_layer is not None else layout
+        layer_layout = per_layer.get(name) if per_layer is not None else every_layer
         try:
-            key, device = _layer_key(value, layer_layout, specs.get(name))  # type: ignore[arg-type]
+            key, device = _layer_key(value, layer_layout, specs.get(name))
         except _LayerTypeError as error:
             type_errors.append(f"layer {index} {name!r}: {error}")
             continue

@@ -22,7 +22,7 @@ import torch
 from kvgroups.errors import ChunkMismatchError, KVGroupsError, SlotMappingError
 from kvgroups.formatting import describe_value
 from kvgroups.groups import KVLayerGroupInfo, KVLayerGroupsManager
-from kvgroups.layouts import KVLayout
+from kvgroups.kinds import RecurrentState
 from kvgroups.row_copy import TokenPlan, copy_states, copy_tokens, plan_tokens
 
 Groups = KVLayerGroupsManager | Sequence[KVLayerGroupInfo]
@@ -38,8 +38,9 @@ def _group_list(groups: Groups) -> list[KVLayerGroupInfo]:
 
 def _layer_matches(group: KVLayerGroupInfo, value: Any) -> bool:
     tensors = list(value) if isinstance(value, (list, tuple)) else [value]
-    if group.layout is KVLayout.RECURRENT:
-        shapes = [list(shape) for shape in group.spec.state_shapes]  # type: ignore[attr-defined]
+    spec = group.spec
+    if isinstance(spec, RecurrentState):
+        shapes = [list(shape) for shape in spec.state_shapes]
         return len(tensors) == len(shapes) and all(
             isinstance(t, torch.Tensor) and list(t.shape[1:]) == s and t.shape[0] == group.num_blocks
             and t.dtype == group.dtype for t, s in zip(tensors, shapes, strict=False)
