@@ -237,24 +237,11 @@ def _num_blocks(params: EngineParams, token_bytes_per_rank: int, state_bytes_per
     return params.seqs * -(-tokens // params.block_size)
 
 
-def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source: str = "") -> Report:
-    """Build the caches of ``spec`` on the meta device for one rank and describe them."""
-    config_dtype = dtype_from_name(spec.torch_dtype)
-    kv_dtype = params.kv_dtype or config_dtype
-    state_dtype = params.state_dtype or config_dtype
-    rank_caches = [(index, layer.rank_cache(params.tp, index)) for index, layer in enumerate(spec.layers)]
-    with_cache = [(index, cache) for index, cache in rank_caches if cache is not None]
-    if not with_cache:
-        raise KVGroupsError(f"model {model_name!r} has no layer that keeps a cache")
-    kv_bytes, state_bytes = kv_dtype.itemsize, state_dtype.itemsize
-    token_bytes = sum(
-        (1 if cache.spec.accepts_layout(KVLayout.MLA) else 2) * cache.num_kv_heads * cache.head_size * kv_bytes
-        for _, cache in with_cache if not isinstance(cache.spec, RecurrentState)
-    )
-    sequence_bytes = sum(
-        cache.head_size * state_bytes for _, cache in with_cache if isinstance(cache.spec, RecurrentState)
-    )
-    num_blocks = _num_blocks(params, token_bytes, sequence_bytes)
+def _build_rank(
+    model_name: str, params: EngineParams, with_cache: list[tuple[int, RankCache]], num_blocks: int,
+    kv_dtype: torch.dtype, state_dtype: torch.dtype,
+) -> tuple[LMCacheMetadata, dict[str, int]]:
+    """Meta-device caches of one rank, grouped; and the model layer number of each cache name."""
     caches: dict[str, Any] = {}
     layouts: dict[str, KVLayout] = {}
     specs: dict[str, LayerCacheSpec] = {}
@@ -276,6 +263,10 @@ def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source
         chunk_size=params.chunk_size,
     )
     metadata.kv_layer_groups_manager.build_kv_layer_groups(caches, specs, layout=layouts)
+    return metadata, model_layer_of
+
+
+def _group_rows(metadata: LMCacheMetadata, model_layer_of: dict[str, int]) -> tuple[GroupReport, ...]:
     rows = []
     groups = metadata.kv_layer_groups_manager.kv_layer_groups
     for group, chunk_shape in zip(groups, metadata.get_shapes(), strict=True):
@@ -290,8 +281,26 @@ def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source
             bytes_per_sequence=0 if token_indexed else per_layer * group.num_layers,
             chunk_bytes=math.prod(chunk_shape) * element_bytes,
         ))
+    return tuple(rows)
+
+
+def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source: str = "") -> Report:
+    """Build the caches of ``spec`` on the meta device for one rank and describe them."""
+    config_dtype = dtype_from_name(spec.torch_dtype)
+    kv_dtype = params.kv_dtype or config_dtype
+    state_dtype = params.state_dtype or config_dtype
+    rank_caches = [(index, layer.rank_cache(params.tp, index)) for index, layer in enumerate(spec.layers)]
+    with_cache = [(index, cache) for index, cache in rank_caches if cache is not None]
+    if not with_cache:
+        raise KVGroupsError(f"model {model_name!r} has no layer that keeps a cache")
+    # The groups are the one source of sizes. num_blocks only sets the tensors' first axis, so a
+    # one-block probe gives the costs that decide it (meta tensors make building twice free).
+    probe = _group_rows(*_build_rank(model_name, params, with_cache, 1, kv_dtype, state_dtype))
+    num_blocks = _num_blocks(params, sum(row.bytes_per_token for row in probe),
+                             sum(row.bytes_per_sequence for row in probe))
+    metadata, model_layer_of = _build_rank(model_name, params, with_cache, num_blocks, kv_dtype, state_dtype)
     return Report(
         model_name=model_name, source=source, model=spec, params=params, kv_dtype=kv_dtype,
-        state_dtype=state_dtype, num_blocks=num_blocks, groups=tuple(rows), metadata=metadata,
-        layers_with_cache=len(with_cache),
+        state_dtype=state_dtype, num_blocks=num_blocks, groups=_group_rows(metadata, model_layer_of),
+        metadata=metadata, layers_with_cache=len(with_cache),
     )
