@@ -244,17 +244,12 @@ def _copy_pooled(
         num_rows = (len(planes) - 1) * layer_step_rows + rows_per_layer
         view = tensor.as_strided((num_rows, row_size), (row_stride, 1),
                                  tensor.storage_offset() + shared.plane_offsets[plane])
-        _copy_rows(view, chunk[plane_index].view(indices.shape[0], row_size), indices, scatter, item)
+        chunk_rows = chunk[plane_index].view(indices.shape[0], row_size)
+        if scatter:
+            chunk_rows = chunk_rows.view(widest(row_size * item, row_stride * item, int(view.storage_offset()) * item,
+                                                int(chunk_rows.storage_offset()) * item))
+        _copy_typed_rows(view, chunk_rows, indices, scatter)
     return True
-
-
-def _copy_rows(rows: torch.Tensor, chunk_rows: torch.Tensor, indices: torch.Tensor, scatter: bool, item: int) -> None:
-    if not scatter:
-        torch.index_select(rows, 0, indices, out=chunk_rows)
-        return
-    wide = widest(rows.shape[1] * item, rows.stride(0) * item, int(rows.storage_offset()) * item,
-                  int(chunk_rows.storage_offset()) * item)
-    rows.view(wide).index_put_((indices,), chunk_rows.view(wide))
 
 
 def state_tensors(value: Any) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ def _group_list(groups: Groups) -> list[KVLayerGroupInfo]:
 
 
 def _layer_matches(group: KVLayerGroupInfo, value: Any) -> bool:
+    """Whether a K/V pair or a recurrent layer's states fit ``group``."""
     tensors = list(value) if isinstance(value, (list, tuple)) else [value]
     spec = group.spec
     if isinstance(spec, RecurrentState):
@@ -45,8 +46,8 @@ def _layer_matches(group: KVLayerGroupInfo, value: Any) -> bool:
             isinstance(t, torch.Tensor) and list(t.shape[1:]) == s and t.shape[0] == group.num_blocks
             and t.dtype == group.dtype for t, s in zip(tensors, shapes, strict=False)
         )
-    expected = group.layout.tensors_per_layer or 1
-    return len(tensors) == expected and (expected == 2 or not isinstance(value, (list, tuple))) and all(
+    # Only K/V pairs get here: single-tensor layers are checked inline by _layer_values.
+    return len(tensors) == 2 and all(
         isinstance(t, torch.Tensor) and t.shape == group.shape and t.dtype == group.dtype for t in tensors
     )
 
