@@ -9,7 +9,6 @@ shape, which is how engines build HND caches.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,19 +145,13 @@ def geometry(layout: KVLayout, shape: Sequence[int]) -> CacheGeometry:
 
     For RECURRENT, ``shape`` is ``[num_state_slots, state_elements]`` (states flattened).
     """
-    return _geometry(layout, tuple(int(dim) for dim in shape))
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(layout: KVLayout, shape: tuple[int, ...]) -> CacheGeometry:
-    # Group properties ask for this on every access; a model has only a handful of distinct shapes.
     axes = layout.axes
     if len(shape) != len(axes):
         raise KVGroupsError(
             f"layout {layout.value} expects rank {len(axes)} "
             f"[{', '.join(axis.value for axis in axes)}], got shape {list(shape)}"
         )
-    size = dict(zip(axes, shape, strict=True))
+    size = dict(zip(axes, (int(dim) for dim in shape), strict=True))
     if layout is KVLayout.RECURRENT:
         return CacheGeometry(
             kv_size=1, num_blocks=size[Axis.STATE_SLOTS], block_size=1, num_heads=1,
