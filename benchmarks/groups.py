@@ -2,7 +2,8 @@
 
 Layers are meta tensors (nothing is allocated). Cases: 32 layers in 1 group, 128 layers in 8
 groups, 1000 layers in 64 groups (groups differ in head count, interleaved across layers).
-Prints a table; ratios > 1 mean kvgroups is faster.
+The two implementations run interleaved (ours, LMCache, ours, LMCache, ...) and each ratio is the
+median over those pairs. Prints a table; speedups > 1 mean kvgroups is faster.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import statistics
 import timeit
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +32,12 @@ def make_caches(num_layers: int, num_groups: int) -> dict[str, torch.Tensor]:
     }
 
 
-def best_seconds(action: Callable[[], Any], repeat: int, number: int) -> float:
-    return min(timeit.repeat(action, repeat=repeat, number=number)) / number
+def seconds(action: Callable[[], Any], number: int) -> float:
+    return timeit.timeit(action, number=number) / number
 
 
-def measure(manager_cls: Any, caches: dict[str, torch.Tensor], repeat: int) -> dict[str, float]:
+def actions(manager_cls: Any, caches: dict[str, torch.Tensor]) -> dict[str, Callable[[], None]]:
+    """build, lookup of every layer by index, and by name (the lookups on a manager built once)."""
     def build() -> None:
         manager_cls().build_kv_layer_groups(caches)
 
@@ -53,17 +56,27 @@ def measure(manager_cls: Any, caches: dict[str, torch.Tensor], repeat: int) -> d
         for name in names:
             lookup(name)
 
-    count = len(names)
-    return {
-        "build_us": best_seconds(build, repeat, 20) * 1e6,
-        "index_ns": best_seconds(by_index, repeat, 20) / count * 1e9,
-        "name_ns": best_seconds(by_name, repeat, 20) / count * 1e9,
-    }
+    return {"build": build, "index": by_index, "name": by_name}
+
+
+Times = dict[str, dict[str, list[float]]]
+
+
+def measure(variants: dict[str, Any], caches: dict[str, torch.Tensor], repeat: int) -> Times:
+    """Seconds per call of each action of each variant, the variants interleaved (A, B, A, B, ...)."""
+    bound = {name: actions(cls, caches) for name, cls in variants.items()}
+    times: Times = {name: {"build": [], "index": [], "name": []} for name in variants}
+    for _ in range(repeat):
+        for action in ("build", "index", "name"):
+            for name in variants:
+                per_call = seconds(bound[name][action], 20)
+                times[name][action].append(per_call / (1 if action == "build" else len(caches)))
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
     try:
         reference: Any = importlib.import_module("lmcache.v1.kv_layer_groups").KVLayerGroupsManager
@@ -81,23 +94,30 @@ def main() -> None:
     print("|---" * 9 + "|")
     for num_layers, num_groups in CASES:
         caches = make_caches(num_layers, num_groups)
-        ours = measure(kvgroups.KVLayerGroupsManager, caches, args.repeat)
+        variants = {"ours": kvgroups.KVLayerGroupsManager}
+        if reference is not None:
+            variants["lmcache"] = reference
+        times = measure(variants, caches, args.repeat)
+        ours = {action: statistics.median(values) for action, values in times["ours"].items()}
         if reference is None:
             print(
-                f"| {num_layers} | {num_groups} | {ours['build_us']:.0f} | - | - | "
-                f"{ours['index_ns']:.0f} / - | - | {ours['name_ns']:.0f} / - | - |"
+                f"| {num_layers} | {num_groups} | {ours['build'] * 1e6:.0f} | - | - | "
+                f"{ours['index'] * 1e9:.0f} / - | - | {ours['name'] * 1e9:.0f} / - | - |"
             )
             continue
-        theirs = measure(reference, caches, args.repeat)
-        print(
-            f"| {num_layers} | {num_groups} | {ours['build_us']:.0f} | {theirs['build_us']:.0f} | "
-            f"{ours['build_us'] / theirs['build_us']:.2f}x slower | "
-            f"{ours['index_ns']:.0f} / {theirs['index_ns']:.0f} | "
-            f"{theirs['index_ns'] / ours['index_ns']:.1f}x | "
-            f"{ours['name_ns']:.0f} / {theirs['name_ns']:.0f} | "
-            f"{theirs['name_ns'] / ours['name_ns']:.1f}x |"
-        )
+        theirs = {action: statistics.median(values) for action, values in times["lmcache"].items()}
 
+        def ratio(action: str, times: Times = times) -> float:
+            """Median over the interleaved pairs of LMCache's time / ours."""
+            pairs = zip(times["ours"][action], times["lmcache"][action], strict=True)
+            return statistics.median(theirs / ours for ours, theirs in pairs)
+
+        print(
+            f"| {num_layers} | {num_groups} | {ours['build'] * 1e6:.0f} | {theirs['build'] * 1e6:.0f} | "
+            f"{1 / ratio('build'):.2f}x slower | "
+            f"{ours['index'] * 1e9:.0f} / {theirs['index'] * 1e9:.0f} | {ratio('index'):.1f}x | "
+            f"{ours['name'] * 1e9:.0f} / {theirs['name'] * 1e9:.0f} | {ratio('name'):.1f}x |"
+        )
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from kvgroups import KVLayerGroupsManager
-from kvgroups.transfer import pack, unpack
+from kvgroups.transfer import KVTransfer, pack, unpack
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, CHUNK = 32, 16, 8, 128, 256
 HIDDEN = NUM_KV_HEADS * HEAD_SIZE
@@ -137,12 +137,63 @@ def run(allocation: str, cache_gib: float, iterations: int, device: torch.device
     return rows
 
 
+def interleaved(variants: dict[str, Callable[[int], None]], iterations: int,
+                device: torch.device) -> dict[str, list[float]]:
+    """Seconds per iteration of each variant, run in turn (A, B, A, B, ...) so that noise hits all alike."""
+    for action in variants.values():
+        action(0)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for iteration in range(1, iterations + 1):
+        for name, action in variants.items():
+            synchronize(device)
+            begin = time.perf_counter()
+            action(iteration)
+            synchronize(device)
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
+def small_calls(iterations: int, device: torch.device) -> list[str]:
+    """16-token calls (one block) on 32 layers: the per-call cost of the bound object vs the module function."""
+    num_blocks = 256
+    caches = {
+        f"model.layers.{index}.self_attn.attn": torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE,
+                                                            dtype=torch.bfloat16, device=device)
+        for index in range(NUM_LAYERS)
+    }
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    bound = KVTransfer(manager, caches)
+    chunk = torch.empty(2, NUM_LAYERS, BLOCK_SIZE, HIDDEN, dtype=torch.bfloat16, device=device)
+    slots = [torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE, device=device) for block in range(num_blocks)]
+    rows = []
+    for op in ("pack", "unpack"):
+        if op == "pack":
+            variants: dict[str, Callable[[int], None]] = {
+                "module": lambda i: pack(manager, caches, slots[i % num_blocks], out=[chunk]) and None,
+                "bound": lambda i: bound.pack(slots[i % num_blocks], out=[chunk]) and None,
+            }
+        else:
+            variants = {
+                "module": lambda i: unpack(manager, caches, [chunk], slots[i % num_blocks]),
+                "bound": lambda i: bound.unpack([chunk], slots[i % num_blocks]),
+            }
+        times = interleaved(variants, iterations, device)
+        ratio = statistics.median(m / b for m, b in zip(times["module"], times["bound"], strict=True))
+        rows.append(
+            f"| {op} | 16 | {statistics.median(times['module']) * 1e3:.3f} | "
+            f"{statistics.median(times['bound']) * 1e3:.3f} | {ratio:.2f}x |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-gib", type=float, default=2.0, help="total size of the caches (>= 1)")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--allocation", choices=["per-layer", "pool", "both"], default="both")
+    parser.add_argument("--small-iterations", type=int, default=400)
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"{NUM_LAYERS} layers x [2, num_blocks, {BLOCK_SIZE}, {NUM_KV_HEADS}, {HEAD_SIZE}] bf16, "
@@ -155,6 +206,12 @@ def main() -> None:
     for allocation in allocations:
         for row in run(allocation, args.cache_gib, args.iterations, device):
             print(row, flush=True)
+    print(f"\nSmall calls, {NUM_LAYERS} layers, one tensor per layer; medians over {args.small_iterations} "
+          f"interleaved calls; speedup = median of paired ratios\n")
+    print("| op | tokens | module function ms | bound KVTransfer ms | speedup |")
+    print("|---|---|---|---|---|")
+    for row in small_calls(args.small_iterations, device):
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvgroups.cli import main
-from kvgroups.presets import preset_names
+from kvgroups.models.presets import preset_names
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -173,12 +173,17 @@ def test_negative_num_tokens() -> None:
         LMCacheMetadata(**BASE).get_shapes(-1)
 
 
-def test_use_mla_that_contradicts_the_groups() -> None:
+def test_use_mla_that_contradicts_the_groups_raises_when_the_groups_are_built() -> None:
     metadata = LMCacheMetadata(**{**BASE, "use_mla": True, "kv_shape": (32, 1, 256, 1, 576)})
-    metadata.kv_layer_groups_manager.build_kv_layer_groups({"l0": meta(2, 4, 16, 2, 8)})
     with pytest.raises(KVGroupsError, match=r"use_mla=True but no group holds an MLA cache \(groups \[0\]"):
-        metadata.get_shapes()
+        metadata.kv_layer_groups_manager.build_kv_layer_groups({"l0": meta(2, 4, 16, 2, 8)})
+    assert metadata.kv_layer_groups_manager.kv_layer_groups == []  # the contradicting groups were not kept
     metadata = LMCacheMetadata(**BASE)
-    metadata.kv_layer_groups_manager.build_kv_layer_groups({"l0": meta(2, 4, 16, 2, 8), "l1": meta(4, 16, 8)})
     with pytest.raises(KVGroupsError, match=r"use_mla=False but groups \[1\] hold MLA caches"):
-        metadata.get_shapes()
+        metadata.kv_layer_groups_manager.build_kv_layer_groups({"l0": meta(2, 4, 16, 2, 8), "l1": meta(4, 16, 8)})
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups({"l0": meta(4, 16, 8)})
+    with pytest.raises(KVGroupsError, match=r"use_mla=False but groups \[0\] hold MLA caches"):
+        LMCacheMetadata(**BASE, kv_layer_groups_manager=manager)
+    with pytest.raises(KVGroupsError, match=r"use_mla=False but groups \[0\] hold MLA caches"):
+        metadata.kv_layer_groups_manager.kv_layer_groups = list(manager.kv_layer_groups)

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
+from kvgroups.cli.report import inspect_model
 from kvgroups.dtypes import dtype_from_name
-from kvgroups.model_configs import model_spec_from_config
-from kvgroups.presets import load_model_config, preset_names
-from kvgroups.report import EngineParams, inspect_model
+from kvgroups.models.configs import model_spec_from_config
+from kvgroups.models.engine import EngineParams
+from kvgroups.models.presets import load_model_config, preset_names
 
 
 def heads_per_rank(heads: int, tp: int) -> int:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvgroups import ChunkedLocal, FullAttention, ModelConfigError, SlidingWindow
-from kvgroups.model_configs import model_spec_from_config, supported_model_types
-from kvgroups.model_layers import AttentionLayer, GatedDeltaNetLayer, Mamba2Layer, MLALayer, NoCacheLayer
-from kvgroups.presets import load_model_config, preset_names
+from kvgroups.models.configs import model_spec_from_config, supported_model_types
+from kvgroups.models.layers import AttentionLayer, GatedDeltaNetLayer, Mamba2Layer, MLALayer, NoCacheLayer
+from kvgroups.models.presets import load_model_config, preset_names
 
 
 def preset(name: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kvgroups import (
     RecurrentState,
     SlotMappingError,
 )
-from kvgroups.transfer import pack, unpack
+from kvgroups.transfer import KVTransfer, pack, unpack
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
@@ -346,3 +346,36 @@ def test_cuda_caches_with_pinned_cpu_chunks() -> None:
     unpack(manager, target, out, slots)
     (again,) = pack(manager, target, slots)
     assert torch.equal(again.cpu(), out[0])
+
+
+def test_a_bound_transfer_serves_many_calls_like_the_module_functions() -> None:
+    generator = torch.Generator().manual_seed(4)
+    spec = RecurrentState(state_shapes=((6, 3),))
+    caches: dict[str, Any] = {f"l{i}": random_tensor((2, 8, 16, 2, 8), torch.bfloat16, generator) for i in range(3)}
+    caches["m"] = random_tensor((4, 6, 3), torch.bfloat16, generator)
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches, {"m": spec})
+    bound = KVTransfer(manager, caches)
+    for start in (0, 16, 40, 100):
+        slots = torch.arange(start, start + 20)
+        chunks = bound.pack(slots, state_indices=[start % 4])
+        expected = pack(manager, caches, slots, state_indices=[start % 4])
+        assert all(torch.equal(a, b) for a, b in zip(chunks, expected, strict=True))
+        bound.unpack(chunks, torch.flip(slots, [0]), state_indices=[3 - start % 4])
+        again = pack(manager, caches, torch.flip(slots, [0]), state_indices=[3 - start % 4])
+        assert all(torch.equal(a, b) for a, b in zip(chunks, again, strict=True))
+
+
+def test_binding_checks_every_layer_once_and_calls_check_only_their_arguments(llama_like: Any) -> None:
+    caches, manager = llama_like
+    with pytest.raises(KVGroupsError, match=r"layer 'l1' of group 0 is Tensor\[2, 5, 16, 2, 8\].*expects 1 tensor"):
+        KVTransfer(manager, dict(caches, l1=torch.zeros(2, 5, 16, 2, 8, dtype=torch.bfloat16)))
+    with pytest.raises(KVGroupsError, match=r"layer 'l1' is on meta, other layers on cpu"):
+        KVTransfer(manager, dict(caches, l1=caches["l1"].to("meta")))
+    bound = KVTransfer(manager, caches)
+    before = snapshot(caches)
+    with pytest.raises(SlotMappingError, match=r"outside group 0"):
+        bound.unpack([torch.zeros(2, 2, 1, 16, dtype=torch.bfloat16)], torch.tensor([64]))
+    with pytest.raises(ChunkMismatchError, match=r"chunk for group 0 is \[2, 2, 2, 16\]"):
+        bound.unpack([torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16)], torch.tensor([1]))
+    assert_unchanged(caches, before)

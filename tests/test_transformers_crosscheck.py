@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from kvgroups.kinds import ChunkedLocal, SlidingWindow
-from kvgroups.model_configs import model_spec_from_config
-from kvgroups.model_layers import AttentionLayer, GatedDeltaNetLayer, Mamba2Layer, MLALayer, NoCacheLayer
-from kvgroups.presets import load_model_config, preset_names
+from kvgroups.models.configs import model_spec_from_config
+from kvgroups.models.layers import AttentionLayer, GatedDeltaNetLayer, Mamba2Layer, MLALayer, NoCacheLayer
+from kvgroups.models.presets import load_model_config, preset_names
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,10 +1,13 @@
 """kvgroups: describe, group and move the KV caches of large language models.
 
 The public API; LMCache's ``KVLayerGroupInfo`` / ``KVLayerGroupsManager`` / ``LMCacheMetadata``
-import from here unchanged.
+import from here unchanged. The core (layouts, kinds, layer caches, grouping, groups, metadata)
+lives in this package's top-level modules; ``models`` reads model configs, ``datapath`` moves
+caches (``kvgroups.transfer`` is its public name), ``store`` keeps chunks, ``integrations`` binds
+engines and ``cli`` is the command. Nothing here imports those subpackages, so importing
+``kvgroups`` stays light.
 """
 
-from kvgroups.build import GroupKey
 from kvgroups.errors import (
     ChunkMismatchError,
     KVGroupsError,
@@ -12,7 +15,7 @@ from kvgroups.errors import (
     SlotMappingError,
     StaleGroupsError,
 )
-from kvgroups.groups import KVLayerGroupInfo, KVLayerGroupsManager
+from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.kinds import (
     ChunkedLocal,
     FullAttention,
@@ -23,7 +26,9 @@ from kvgroups.kinds import (
     SlidingWindow,
     spec_from_dict,
 )
+from kvgroups.layer_caches import GroupKey
 from kvgroups.layouts import Axis, CacheGeometry, KVLayout, detect_layout, geometry
+from kvgroups.manager import KVLayerGroupsManager
 from kvgroups.metadata import LMCacheMetadata
 
 __version__ = "0.1.0"

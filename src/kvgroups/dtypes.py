@@ -20,6 +20,12 @@ _BY_NAME: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 _BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in _BY_NAME.items()}
+# Short names engines accept on their command lines (vLLM's --kv-cache-dtype fp8).
+ALIASES: dict[str, str] = {"fp8": "float8_e4m3fn"}
+# What an engine offers a user to store a KV cache in (the CLI's choices, aliases added).
+KV_CACHE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+# What a recurrent state is kept in: its updates accumulate, so no 8-bit type.
+STATE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,11 +41,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` (or ``"torch.bfloat16"``) -> ``torch.bfloat16``."""
+    """``"bfloat16"`` (or ``"torch.bfloat16"``, or an alias such as ``"fp8"``) -> ``torch.bfloat16``."""
     if not isinstance(name, str):
         raise TypeError(f"expected a dtype name (str), got {type(name).__name__} {name!r}")
+    bare = name.removeprefix("torch.")
     try:
-        return _BY_NAME[name.removeprefix("torch.")]
+        return _BY_NAME[ALIASES.get(bare, bare)]
     except KeyError:
         raise KVGroupsError(
             f"unknown dtype name {name!r}; expected one of {', '.join(_BY_NAME)}"

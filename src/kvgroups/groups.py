@@ -1,115 +1,27 @@
-"""Layer groups: which layers share one cache format, and O(1) lookups into them.
+"""``KVLayerGroupInfo``: the layers whose caches share one shape, dtype, layout and kind.
 
-``KVLayerGroupInfo`` and ``KVLayerGroupsManager`` keep LMCache's seed-era, mutable API (plain
-lists a caller may sort or reassign, ``None`` on a missed lookup); what they add is typed
-(``layout``, ``spec``, ``GroupKey``) and validated.
+It keeps LMCache's seed-era, mutable API (plain lists a caller may sort or reassign); what it
+adds is typed (``layout``, ``spec``, ``GroupKey``), validated, and the group's own sizes: its
+geometry, its chunk shape and its byte counts, each defined here once.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Iterable, Mapping, Sequence
+import math
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, SupportsIndex, TypeVar
+from typing import Any
 
 import torch
 
-from kvgroups.build import GroupKey, LayoutArg, plan_groups
 from kvgroups.dtypes import dtype_from_name, dtype_name
-from kvgroups.errors import KVGroupsError, StaleGroupsError
+from kvgroups.errors import KVGroupsError
 from kvgroups.formatting import compact_ranges
 from kvgroups.kinds import LayerCacheSpec, LayerKind, default_spec, spec_from_dict
-from kvgroups.layouts import CacheGeometry, KVLayout, detect_layout, geometry
-
-logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-
-MANAGER_FORMAT = "kvgroups.manager/1"
-
-
-class _Generation:
-    """Bumped by every change to a group list or a group, so lookup indexes know they are stale.
-
-    One process-wide counter keeps the check O(1) and survives copy and pickle (the tracked
-    lists carry no reference to their owner).
-    """
-
-    value = 0
-
-
-def _bump() -> None:
-    _Generation.value += 1
-
-
-class _TrackedList(list[_T]):
-    """A list that reports every in-place change (sort, append, item assignment...)."""
-
-    def __setitem__(self, *args: Any) -> None:
-        list.__setitem__(self, *args)
-        _bump()
-
-    def __delitem__(self, *args: Any) -> None:
-        list.__delitem__(self, *args)
-        _bump()
-
-    def __iadd__(self, other: Iterable[_T]) -> _TrackedList[_T]:  # type: ignore[override, misc]
-        list.extend(self, other)
-        _bump()
-        return self
-
-    def __imul__(self, count: SupportsIndex) -> _TrackedList[_T]:
-        list.__imul__(self, count)
-        _bump()
-        return self
-
-    def append(self, *args: Any) -> None:
-        list.append(self, *args)
-        _bump()
-
-    def extend(self, *args: Any) -> None:
-        list.extend(self, *args)
-        _bump()
-
-    def insert(self, *args: Any) -> None:
-        list.insert(self, *args)
-        _bump()
-
-    def remove(self, *args: Any) -> None:
-        list.remove(self, *args)
-        _bump()
-
-    def pop(self, *args: Any) -> _T:
-        item: _T = list.pop(self, *args)
-        _bump()
-        return item
-
-    def clear(self) -> None:
-        list.clear(self)
-        _bump()
-
-    def sort(self, *args: Any, **kwargs: Any) -> None:
-        list.sort(self, *args, **kwargs)
-        _bump()
-
-    def reverse(self) -> None:
-        list.reverse(self)
-        _bump()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Unpickle as a tracked list again, without replaying appends.
-        return (_TrackedList, (list(self),))
-
-
-def _layout_from_shape(shape: torch.Size, owner: str) -> KVLayout:
-    detected = detect_layout(torch.empty(shape, device="meta"))
-    if detected is None:
-        raise KVGroupsError(
-            f"{owner}: cannot tell the layout of shape {list(shape)}; expected rank 5 with a K/V "
-            f"axis of 2 at dim 0 or 1, or rank 3 (MLA); pass layout= for any other layout"
-        )
-    return detected
+from kvgroups.layer_caches import GroupKey
+from kvgroups.layouts import CacheGeometry, KVLayout, geometry, layout_from_shape
+from kvgroups.tracked_lists import Owner, TrackedList, tracked
 
 
 @dataclass(init=False, repr=False)
@@ -128,9 +40,11 @@ class KVLayerGroupInfo:
     dtype: torch.dtype
     layout: KVLayout
     spec: LayerCacheSpec
-    _layer_indices_set: set[int] = field(default_factory=set, compare=False)
-    _layer_names_set: set[str] = field(default_factory=set, compare=False)
-    _sets_generation: int = field(default=-1, compare=False)
+    # Bumped by every edit; the membership sets remember the version they were built from.
+    _version: int = field(default=0, compare=False)
+    _sets: tuple[int, set[int], set[str]] = field(default=(-1, set(), set()), compare=False)
+    # The managers whose lookup index holds this group: an edit marks exactly those stale.
+    _managers: weakref.WeakValueDictionary[int, Owner] | None = field(default=None, compare=False)
     _geometry_cache: tuple[torch.Size, KVLayout, CacheGeometry] | None = field(default=None, compare=False)
 
     def __init__(
@@ -171,7 +85,10 @@ class KVLayerGroupInfo:
             raise TypeError(f"{owner}: dtype must be a torch.dtype, got {dtype!r}")
         size = torch.Size(shape)
         if layout is None:
-            layout = _layout_from_shape(size, owner)
+            try:
+                layout = layout_from_shape(size)
+            except KVGroupsError as error:
+                raise KVGroupsError(f"{owner}: {error}") from None
         elif not isinstance(layout, KVLayout):
             raise TypeError(f"{owner}: layout must be a KVLayout, got {layout!r}")
         geometry(layout, size)  # raises on a rank that does not fit the layout
@@ -189,14 +106,12 @@ class KVLayerGroupInfo:
         self, names: list[str], indices: list[int], shape: torch.Size, dtype: torch.dtype,
         layout: KVLayout, spec: LayerCacheSpec,
     ) -> None:
-        self.layer_names = names
-        self.layer_indices = indices
-        self.shape = shape
-        self.dtype = dtype
-        self.layout = layout
-        self.spec = spec
-        self._sets_generation = -1
-        self._geometry_cache = None
+        fields = self.__dict__
+        fields["_managers"] = fields["_geometry_cache"] = None
+        fields["_version"], fields["_sets"] = 0, (-1, set(), set())
+        fields["layer_names"] = TrackedList(names, self)
+        fields["layer_indices"] = TrackedList(indices, self)
+        fields.update(shape=shape, dtype=dtype, layout=layout, spec=spec)
 
     @classmethod
     def _trusted(
@@ -208,11 +123,26 @@ class KVLayerGroupInfo:
         return group
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("layer_names", "layer_indices") and not isinstance(value, _TrackedList):
-            value = _TrackedList(value)
+        if name in ("layer_names", "layer_indices"):
+            value = tracked(value, self)
         object.__setattr__(self, name, value)
         if not name.startswith("_"):
-            _bump()
+            self._changed()
+
+    def _changed(self) -> None:
+        self._version += 1
+        if self._managers:
+            for manager in self._managers.values():
+                manager._changed()
+
+    def _held_by(self, manager: Owner) -> None:
+        if self._managers is None:
+            self._managers = weakref.WeakValueDictionary()
+        self._managers[id(manager)] = manager
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy is held by no manager yet (managers reindex their copies and register then).
+        return {**self.__dict__, "_managers": None}
 
     def __repr__(self) -> str:
         indices = compact_ranges(self.layer_indices)
@@ -233,19 +163,17 @@ class KVLayerGroupInfo:
         return self.geometry.hidden_dim_size
 
     def contains_layer(self, layer_idx: int) -> bool:
-        if self._sets_generation != _Generation.value:
-            self._refresh_sets()
-        return layer_idx in self._layer_indices_set
+        sets = self._sets if self._sets[0] == self._version else self._refresh_sets()
+        return layer_idx in sets[1]
 
     def contains_layer_name(self, layer_name: str) -> bool:
-        if self._sets_generation != _Generation.value:
-            self._refresh_sets()
-        return layer_name in self._layer_names_set
+        sets = self._sets if self._sets[0] == self._version else self._refresh_sets()
+        return layer_name in sets[2]
 
-    def _refresh_sets(self) -> None:
-        self._layer_indices_set = set(self.layer_indices)
-        self._layer_names_set = set(self.layer_names)
-        self._sets_generation = _Generation.value
+    def _refresh_sets(self) -> tuple[int, set[int], set[str]]:
+        # The version is read before the sets are built, so an edit meanwhile leaves them stale.
+        self._sets = (self._version, set(self.layer_indices), set(self.layer_names))
+        return self._sets
 
     # --- additions -----------------------------------------------------------------------
     @property
@@ -286,15 +214,38 @@ class KVLayerGroupInfo:
     def key(self) -> GroupKey:
         return GroupKey(shape=self.shape, dtype=self.dtype, layout=self.layout, spec=self.spec)
 
-    def chunk_shape(self, num_tokens: int) -> torch.Size:
+    @property
+    def token_indexed(self) -> bool:
+        """Whether the group's caches are addressed by token slots (False: recurrent state)."""
+        return self.spec.token_indexed
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one token slot (one state slot) of one layer holds, K/V planes together."""
+        return self.geometry.slot_elements * self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one more token of context costs all layers of the group (0 for recurrent state)."""
+        return self.spec.bytes_per_token(self.slot_bytes) * self.num_layers
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """What one more sequence costs all layers of the group whatever its length (recurrent state)."""
+        return self.spec.bytes_per_sequence(self.slot_bytes) * self.num_layers
+
+    def chunk_shape(self, num_tokens: int, num_states: int = 1) -> torch.Size:
         """``[kv_size, num_layers, num_tokens, hidden_dim_size]`` of a stored chunk.
 
-        A recurrent group stores one state per sequence, whatever the token count:
-        ``[1, num_layers, 1, state_elements]``.
+        A recurrent group stores states, not tokens: ``[1, num_layers, num_states,
+        state_elements]``, one state per sequence (a stored chunk holds one).
         """
-        if not self.layout.is_token_indexed:
-            num_tokens = 1
-        return torch.Size([self.kv_size, self.num_layers, num_tokens, self.hidden_dim_size])
+        rows = num_tokens if self.spec.token_indexed else num_states
+        return torch.Size([self.kv_size, self.num_layers, rows, self.hidden_dim_size])
+
+    def chunk_bytes(self, num_tokens: int) -> int:
+        """Bytes of one stored chunk of ``num_tokens`` tokens (one state for a recurrent group)."""
+        return math.prod(self.chunk_shape(num_tokens)) * self.dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -322,119 +273,3 @@ class KVLayerGroupInfo:
             layout=KVLayout.parse(data["layout"]),
             spec=spec_from_dict(data["spec"]),
         )
-
-
-@dataclass
-class KVLayerGroupsManager:
-    """The groups of one model's layers, with O(1) lookups by layer index and name.
-
-    ``kv_layer_groups`` is a plain list to the caller: sorting it, assigning to it or mutating a
-    group's layer lists is seen by the lookups.
-    """
-
-    kv_layer_groups: list[KVLayerGroupInfo] = field(default_factory=list)
-    _by_index: dict[int, KVLayerGroupInfo] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _by_name: dict[str, KVLayerGroupInfo] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _index_generation: int = field(default=-1, init=False, repr=False, compare=False)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "kv_layer_groups":
-            if not isinstance(value, list):
-                raise TypeError(f"kv_layer_groups must be a list, got {type(value).__name__}")
-            if not isinstance(value, _TrackedList):
-                value = _TrackedList(value)
-            _bump()
-        object.__setattr__(self, name, value)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.kv_layer_groups)
-
-    def _reindex(self) -> None:
-        by_index: dict[int, KVLayerGroupInfo] = {}
-        by_name: dict[str, KVLayerGroupInfo] = {}
-        # First group wins where a caller's edits left a layer in two, as a linear scan would.
-        for group in self.kv_layer_groups:
-            for index in group.layer_indices:
-                by_index.setdefault(index, group)
-            for name in group.layer_names:
-                by_name.setdefault(name, group)
-        self._by_index = by_index
-        self._by_name = by_name
-        self._index_generation = _Generation.value
-
-    def get_group_by_layer_idx(self, layer_idx: int) -> KVLayerGroupInfo | None:
-        if self._index_generation != _Generation.value:
-            self._reindex()
-        return self._by_index.get(layer_idx)
-
-    def get_group_by_layer_name(self, layer_name: str) -> KVLayerGroupInfo | None:
-        if self._index_generation != _Generation.value:
-            self._reindex()
-        return self._by_name.get(layer_name)
-
-    def get_layer_shape(self, layer_idx: int) -> torch.Size | None:
-        group = self.get_group_by_layer_idx(layer_idx)
-        return group.shape if group is not None else None
-
-    def get_layer_dtype(self, layer_idx: int) -> torch.dtype | None:
-        group = self.get_group_by_layer_idx(layer_idx)
-        return group.dtype if group is not None else None
-
-    def build_kv_layer_groups(
-        self,
-        kv_caches: Mapping[str, Any],
-        layer_specs: Mapping[str, LayerCacheSpec] | None = None,
-        *,
-        layout: LayoutArg = None,
-        rebuild: bool = False,
-    ) -> None:
-        """Group the layers of ``kv_caches`` (layer name -> cache) by :class:`GroupKey`.
-
-        A layer's index is its position in ``kv_caches``; groups are ordered by their first
-        layer and keep the dict's order inside. Each cache is a tensor in one of the
-        :class:`~kvgroups.layouts.KVLayout` layouts, a ``(k, v)`` pair, or for a recurrent layer
-        (whose ``layer_specs`` entry is a :class:`~kvgroups.kinds.RecurrentState`) a tensor or
-        tuple of state tensors ``[num_state_slots, *state_shape]``. ``layout`` fixes the layout
-        of every layer, or of the named ones; otherwise it is detected. Tensor data is never read.
-
-        Building again with caches that group the same way is a no-op; caches that group
-        differently raise :class:`~kvgroups.errors.StaleGroupsError` unless ``rebuild``.
-        """
-        planned = plan_groups(kv_caches, layer_specs, layout)
-        groups = [KVLayerGroupInfo._trusted(names, indices, key) for key, names, indices in planned]
-        if self.kv_layer_groups and not rebuild:
-            if groups == list(self.kv_layer_groups):
-                return
-            raise StaleGroupsError(
-                f"groups are built already ({self.num_groups} groups) and these caches group "
-                f"differently ({len(groups)} groups: {groups}); pass rebuild=True to replace them"
-            )
-        self.kv_layer_groups = groups
-        logger.info("KV layer groups: %s", groups)
-
-    # --- serialization -------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": MANAGER_FORMAT, "groups": [g.to_dict() for g in self.kv_layer_groups]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> KVLayerGroupsManager:
-        if not isinstance(data, Mapping) or data.get("format") != MANAGER_FORMAT:
-            raise KVGroupsError(
-                f"not a serialized KVLayerGroupsManager: expected format {MANAGER_FORMAT!r}"
-            )
-        return cls([KVLayerGroupInfo.from_dict(group) for group in data["groups"]])
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> KVLayerGroupsManager:
-        return cls.from_dict(json.loads(text))
-
-
-__all__ = ["GroupKey", "KVLayerGroupInfo", "KVLayerGroupsManager"]

@@ -3,18 +3,21 @@
 Two layers can only share a group when their specs are equal, because the rules for reusing
 their caches differ: a full-attention layer needs every earlier token, a sliding-window layer
 only the last ``window_tokens``, a recurrent layer one state per sequence. Each spec answers
-for itself (``tokens_held``, ``accepts_layout``); nothing here switches on the kind.
+for itself (``token_indexed``, ``tokens_held``, ``accepts_layout``, its byte counts); nothing
+switches on the kind.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from kvgroups.errors import KVGroupsError
 from kvgroups.layouts import KVLayout
+from kvgroups.sizes import round_up
 
 
 class LayerKind(enum.Enum):
@@ -31,6 +34,18 @@ class LayerCacheSpec(Protocol):
     """What every spec provides."""
 
     kind: ClassVar[LayerKind]
+    # True: addressed by token slots; False: one fixed-size state per sequence, moved by state slot.
+    token_indexed: ClassVar[bool]
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-slot shape of each state tensor of a recurrent layer; empty for token caches."""
+        ...
+
+    @property
+    def state_elements(self) -> int:
+        """Elements one sequence's state holds, all state tensors together (0 for token caches)."""
+        ...
 
     def accepts_layout(self, layout: KVLayout) -> bool:
         """Whether a cache in ``layout`` can hold this kind."""
@@ -38,6 +53,14 @@ class LayerCacheSpec(Protocol):
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         """Token slots one sequence of ``context_tokens`` occupies (0 for recurrent state)."""
+        ...
+
+    def bytes_per_token(self, slot_bytes: int) -> int:
+        """What one more token of context costs a layer whose slot holds ``slot_bytes``."""
+        ...
+
+    def bytes_per_sequence(self, slot_bytes: int) -> int:
+        """What one more sequence costs such a layer, whatever its length (its recurrent state)."""
         ...
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,25 +82,35 @@ def _positive_int(owner: str, field_name: str, value: object) -> int:
     return value
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+class _TokenCache:
+    """What every token-indexed kind shares: one slot per token, nothing per sequence."""
 
+    token_indexed: ClassVar[bool] = True
 
-_PAGED_KV = frozenset({
-    KVLayout.FLASH_ATTN, KVLayout.FLASH_ATTN_HND, KVLayout.FLASHINFER, KVLayout.FLASHINFER_HND,
-    KVLayout.KV_SPLIT, KVLayout.KV_SPLIT_HND,
-})
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ()
+
+    @property
+    def state_elements(self) -> int:
+        return 0
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout.holds_kv
+
+    def bytes_per_token(self, slot_bytes: int) -> int:
+        return slot_bytes
+
+    def bytes_per_sequence(self, slot_bytes: int) -> int:
+        return 0
 
 
 @_registered
 @dataclass(frozen=True, kw_only=True)
-class FullAttention:
+class FullAttention(_TokenCache):
     """Keys and values of every token of the sequence."""
 
     kind: ClassVar[LayerKind] = LayerKind.FULL_ATTENTION
-
-    def accepts_layout(self, layout: KVLayout) -> bool:
-        return layout in _PAGED_KV
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return context_tokens
@@ -92,7 +125,7 @@ class FullAttention:
 
 @_registered
 @dataclass(frozen=True, kw_only=True)
-class SlidingWindow:
+class SlidingWindow(_TokenCache):
     """Keys and values of the last ``window_tokens`` tokens only."""
 
     kind: ClassVar[LayerKind] = LayerKind.SLIDING_WINDOW
@@ -101,12 +134,9 @@ class SlidingWindow:
     def __post_init__(self) -> None:
         _positive_int("SlidingWindow", "window_tokens", self.window_tokens)
 
-    def accepts_layout(self, layout: KVLayout) -> bool:
-        return layout in _PAGED_KV
-
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         # The window rarely starts on a block boundary, so one more block stays partly live.
-        return min(context_tokens, _round_up(self.window_tokens, block_size) + block_size)
+        return min(context_tokens, round_up(self.window_tokens, block_size) + block_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "window_tokens": self.window_tokens}
@@ -118,7 +148,7 @@ class SlidingWindow:
 
 @_registered
 @dataclass(frozen=True, kw_only=True)
-class ChunkedLocal:
+class ChunkedLocal(_TokenCache):
     """Keys and values of the tokens in the current attention chunk of ``chunk_tokens``."""
 
     kind: ClassVar[LayerKind] = LayerKind.CHUNKED_LOCAL
@@ -127,11 +157,8 @@ class ChunkedLocal:
     def __post_init__(self) -> None:
         _positive_int("ChunkedLocal", "chunk_tokens", self.chunk_tokens)
 
-    def accepts_layout(self, layout: KVLayout) -> bool:
-        return layout in _PAGED_KV
-
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
-        return min(context_tokens, _round_up(self.chunk_tokens, block_size))
+        return min(context_tokens, round_up(self.chunk_tokens, block_size))
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "chunk_tokens": self.chunk_tokens}
@@ -143,7 +170,7 @@ class ChunkedLocal:
 
 @_registered
 @dataclass(frozen=True, kw_only=True)
-class MLAttention:
+class MLAttention(_TokenCache):
     """One compressed latent (plus its rope part) per token, shared by keys and values."""
 
     kind: ClassVar[LayerKind] = LayerKind.MLA
@@ -172,6 +199,7 @@ class RecurrentState:
     """
 
     kind: ClassVar[LayerKind] = LayerKind.RECURRENT
+    token_indexed: ClassVar[bool] = False
     state_shapes: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
@@ -190,20 +218,19 @@ class RecurrentState:
 
     @property
     def state_elements(self) -> int:
-        """Elements one sequence's state holds, all state tensors together."""
-        total = 0
-        for shape in self.state_shapes:
-            count = 1
-            for dim in shape:
-                count *= dim
-            total += count
-        return total
+        return sum(math.prod(shape) for shape in self.state_shapes)
 
     def accepts_layout(self, layout: KVLayout) -> bool:
         return layout is KVLayout.RECURRENT
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return 0
+
+    def bytes_per_token(self, slot_bytes: int) -> int:
+        return 0
+
+    def bytes_per_sequence(self, slot_bytes: int) -> int:
+        return slot_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "state_shapes": [list(s) for s in self.state_shapes]}

@@ -80,14 +80,14 @@ class KVLayout(enum.Enum):
         return 1
 
     @property
-    def is_token_indexed(self) -> bool:
-        """Whether the cache is addressed by token slots (False for recurrent state)."""
-        return self is not KVLayout.RECURRENT
+    def holds_kv(self) -> bool:
+        """Whether the layout holds separate keys and values (a paged K/V cache)."""
+        return self.kv_size == 2
 
     @property
-    def rank(self) -> int | None:
-        """Rank of each tensor, or None where it varies (recurrent states)."""
-        return None if self is KVLayout.RECURRENT else len(self.axes)
+    def axes_text(self) -> str:
+        """``[2, num_blocks, block_size, num_heads, head_size]``, for error messages and docs."""
+        return "[" + ", ".join("2" if axis is _KV else axis.value for axis in self.axes) + "]"
 
     @classmethod
     def parse(cls, name: str) -> KVLayout:
@@ -135,6 +135,11 @@ class CacheGeometry:
         return self.num_heads * self.head_size
 
     @property
+    def slot_elements(self) -> int:
+        """Elements one token slot (one state slot) stores, all K/V planes together."""
+        return self.kv_size * self.hidden_dim_size
+
+    @property
     def num_slots(self) -> int:
         """Token slots (or state slots) the cache holds: ``num_blocks * block_size``."""
         return self.num_blocks * self.block_size
@@ -148,8 +153,7 @@ def geometry(layout: KVLayout, shape: Sequence[int]) -> CacheGeometry:
     axes = layout.axes
     if len(shape) != len(axes):
         raise KVGroupsError(
-            f"layout {layout.value} expects rank {len(axes)} "
-            f"[{', '.join(axis.value for axis in axes)}], got shape {list(shape)}"
+            f"layout {layout.value} expects rank {len(axes)} {layout.axes_text}, got shape {list(shape)}"
         )
     size = dict(zip(axes, (int(dim) for dim in shape), strict=True))
     if layout is KVLayout.RECURRENT:
@@ -189,7 +193,10 @@ def detect_layout(value: object) -> KVLayout | None:
         return KVLayout.KV_SPLIT if len(value) == 2 else None
     if not isinstance(value, torch.Tensor):
         return None
-    shape = value.shape
+    return _layout_of_shape(value.shape)
+
+
+def _layout_of_shape(shape: Sequence[int]) -> KVLayout | None:
     if len(shape) == 3:
         return KVLayout.MLA
     if len(shape) == 5:
@@ -198,6 +205,18 @@ def detect_layout(value: object) -> KVLayout | None:
         if shape[1] == 2:
             return KVLayout.FLASHINFER
     return None
+
+
+def layout_from_shape(shape: Sequence[int]) -> KVLayout:
+    """The layout one cache tensor of ``shape`` is read in when none is passed, as :func:`detect_layout`."""
+    layout = _layout_of_shape(shape)
+    if layout is None:
+        raise KVGroupsError(
+            f"cannot tell the layout of shape {list(shape)}: expected rank 5 with 2 at dim 0 (flash_attn) "
+            f"or dim 1 (flashinfer), rank 3 (mla), or a (k, v) pair of tensors; pass layout= for HND or "
+            f"other layouts"
+        )
+    return layout
 
 
 def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +13,9 @@ import torch
 
 from kvgroups.dtypes import dtype_from_name, dtype_name
 from kvgroups.errors import KVGroupsError
-from kvgroups.groups import KVLayerGroupsManager
+from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.layouts import KVLayout
+from kvgroups.manager import KVLayerGroupsManager
 
 METADATA_FORMAT = "kvgroups.metadata/1"
 # Bump when the fingerprint's inputs change meaning, so old stores are never misread.
@@ -102,12 +103,15 @@ class LMCacheMetadata:
         if problems:
             raise KVGroupsError("bad LMCacheMetadata: " + "; ".join(problems))
         self.kv_shape = tuple(self.kv_shape)  # type: ignore[assignment]
+        # use_mla must agree with the groups: now, and whenever groups are built or replaced.
+        self.kv_layer_groups_manager.add_check(self._check_use_mla)
 
     def is_first_rank(self) -> bool:
         return self.worker_id == self.first_rank
 
-    def _check_use_mla(self) -> None:
-        groups = self.kv_layer_groups_manager.kv_layer_groups
+    def _check_use_mla(self, groups: Sequence[KVLayerGroupInfo]) -> None:
+        if not groups:
+            return
         mla = [index for index, group in enumerate(groups) if group.layout is KVLayout.MLA]
         paged_kv = [index for index, group in enumerate(groups) if group.kv_size == 2]
         if self.use_mla and not mla:
@@ -140,7 +144,6 @@ class LMCacheMetadata:
             raise KVGroupsError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         groups = self.kv_layer_groups_manager.kv_layer_groups
         if groups:
-            self._check_use_mla()
             return [group.chunk_shape(num_tokens) for group in groups]
         shape = self.kv_shape
         return [torch.Size([shape[1], shape[0], num_tokens, shape[3] * shape[4]])]
@@ -161,7 +164,6 @@ class LMCacheMetadata:
             "chunk_size": self.chunk_size,
         }
         if groups:
-            self._check_use_mla()
             described["groups"] = [
                 {
                     "layer_indices": list(group.layer_indices),

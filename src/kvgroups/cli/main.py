@@ -18,29 +18,33 @@ from typing import Any, NoReturn
 import torch
 from rich.console import Console
 
+from kvgroups.cli.render import render_inspect, render_presets
+from kvgroups.cli.report import inspect_model
+from kvgroups.dtypes import ALIASES, KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
 from kvgroups.layouts import KVLayout
-from kvgroups.model_configs import model_spec_from_config
-from kvgroups.presets import load_model_config, preset_names
-from kvgroups.render import render_inspect, render_presets
-from kvgroups.report import EngineParams, inspect_model
+from kvgroups.models.configs import model_spec_from_config
+from kvgroups.models.engine import EngineParams
+from kvgroups.models.presets import load_model_config, preset_names
 
 EXIT_BAD_INPUT = 2
 
-LAYOUTS = {
-    "flash-attn": KVLayout.FLASH_ATTN,
-    "flashinfer": KVLayout.FLASHINFER,
+# Layout names as the command line spells them; "hnd" is the short name of FlashInfer's HND layout.
+LAYOUTS: dict[str, KVLayout] = {
+    **{layout.value.replace("_", "-"): layout for layout in KVLayout if layout.holds_kv},
     "hnd": KVLayout.FLASHINFER_HND,
-    "flash-attn-hnd": KVLayout.FLASH_ATTN_HND,
-    "kv-split": KVLayout.KV_SPLIT,
-    "kv-split-hnd": KVLayout.KV_SPLIT_HND,
 }
-DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-}
+
+
+def _dtype_choices(names: Sequence[str]) -> dict[str, torch.dtype | None]:
+    """``auto`` (the config's dtype), each name, and the aliases of those names."""
+    choices: dict[str, torch.dtype | None] = {"auto": None}
+    choices.update({name: dtype_from_name(name) for name in names})
+    choices.update({alias: dtype_from_name(alias) for alias, name in ALIASES.items() if name in names})
+    return choices
+
+
+KV_DTYPES = _dtype_choices(KV_CACHE_DTYPES)
+STATE_DTYPE_CHOICES = _dtype_choices(STATE_DTYPES)
 
 
 class _BadInputError(Exception):
@@ -94,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--rank", type=_non_negative_int, default=0, help="rank to describe (default 0)")
     inspect.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default 16)")
     inspect.add_argument("--layout", choices=sorted(LAYOUTS), default="flash-attn", help="engine cache layout")
-    inspect.add_argument("--kv-dtype", choices=list(DTYPES), default="auto",
+    inspect.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto",
                          help="KV cache dtype; auto = the config's torch_dtype; fp8 = float8_e4m3fn")
-    inspect.add_argument("--state-dtype", choices=[name for name in DTYPES if name != "fp8"], default="auto",
+    inspect.add_argument("--state-dtype", choices=list(STATE_DTYPE_CHOICES), default="auto",
                          help="recurrent-state dtype; auto = the config's torch_dtype")
     inspect.add_argument("--chunk-size", type=_positive_int, default=256, help="tokens per stored chunk")
     inspect.add_argument("--memory", type=_gib, metavar="GIB", help="KV budget per rank in GiB: tokens that fit")
@@ -113,7 +117,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     spec = model_spec_from_config(loaded.config)
     params = EngineParams(
         tp=args.tp, rank=args.rank, block_size=args.block_size, layout=LAYOUTS[args.layout],
-        kv_dtype=DTYPES[args.kv_dtype], state_dtype=DTYPES[args.state_dtype], chunk_size=args.chunk_size,
+        kv_dtype=KV_DTYPES[args.kv_dtype], state_dtype=STATE_DTYPE_CHOICES[args.state_dtype],
+        chunk_size=args.chunk_size,
         memory_gib=args.memory, tokens=args.tokens, seqs=args.seqs,
     )
     return inspect_model(spec, loaded.name, params, source=loaded.source).to_dict()

@@ -1,4 +1,4 @@
-"""Bundled model configs (``presets/*.json``) and resolving a MODEL argument to a config dict.
+"""Bundled model configs (this package's ``*.json``, sources in ``SOURCES.tsv``) and resolving a MODEL.
 
 A MODEL is a preset name, a path to a ``config.json``, or a model directory holding one.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from kvgroups.errors import ModelConfigError
 
-_PRESETS = resources.files("kvgroups") / "presets"
+_PRESETS = resources.files(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)

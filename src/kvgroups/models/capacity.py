@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgroups.kinds import FullAttention, LayerCacheSpec
+from kvgroups.sizes import round_up
 
 _FULL = FullAttention()
 # Search ceiling when the model states no maximum context.
@@ -27,10 +28,6 @@ class GroupCost:
     bytes_per_sequence: int  # recurrent state of all layers of the group; 0 for token caches
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 def memory_needed(
     costs: Sequence[GroupCost], context_tokens: int, num_sequences: int, block_size: int, *, hybrid: bool
 ) -> int:
@@ -40,7 +37,7 @@ def memory_needed(
         if cost.bytes_per_token:
             spec = cost.spec if hybrid else _FULL
             held = spec.tokens_held(context_tokens, block_size)
-            per_sequence += _blocks(held, block_size) * block_size * cost.bytes_per_token
+            per_sequence += round_up(held, block_size) * cost.bytes_per_token
         per_sequence += cost.bytes_per_sequence
     return per_sequence * num_sequences
 

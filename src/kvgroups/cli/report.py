@@ -1,0 +1,184 @@
+"""``kvgroups inspect`` without the printing: the report of one rank, assembled as plain data.
+
+The numbers come from the objects :func:`~kvgroups.models.engine.build_rank` builds (the same
+groups and ``LMCacheMetadata`` a serving engine's connector would build, on meta tensors) and
+from :mod:`kvgroups.models.capacity`; this module only assembles them (``Report.to_dict`` is the
+JSON of ``--json``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvgroups.dtypes import dtype_name
+from kvgroups.formatting import compact_ranges
+from kvgroups.groups import KVLayerGroupInfo
+from kvgroups.metadata import LMCacheMetadata
+from kvgroups.models.capacity import Fit, GroupCost, memory_needed, tokens_that_fit
+from kvgroups.models.engine import EngineParams, RankBuild, build_rank
+from kvgroups.models.layers import ModelSpec
+
+REPORT_FORMAT = "kvgroups.inspect/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupReport:
+    """One group's row of the report (all sizes per rank)."""
+
+    group: KVLayerGroupInfo
+    model_layers: tuple[int, ...]
+    chunk_shape: torch.Size
+    bytes_per_token: int
+    bytes_per_sequence: int
+    chunk_bytes: int
+
+    def to_dict(self, index: int) -> dict[str, Any]:
+        group = self.group
+        return {
+            "index": index,
+            "layers": compact_ranges(self.model_layers),
+            "model_layers": list(self.model_layers),
+            "layer_indices": list(group.layer_indices),
+            "num_layers": group.num_layers,
+            "kind": group.kind.value,
+            "spec": group.spec.to_dict(),
+            "layout": group.layout.value,
+            "tensor_shape": list(group.shape),
+            "tensors_per_layer": group.key.tensors_per_layer,
+            "dtype": dtype_name(group.dtype),
+            "num_kv_heads": group.num_heads,
+            "head_size": group.head_size,
+            "hidden_dim_size": group.hidden_dim_size,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "chunk_shape": list(self.chunk_shape),
+            "chunk_bytes": self.chunk_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    model_name: str
+    source: str
+    model: ModelSpec
+    params: EngineParams
+    kv_dtype: torch.dtype
+    state_dtype: torch.dtype
+    num_blocks: int
+    groups: tuple[GroupReport, ...]
+    metadata: LMCacheMetadata
+    layers_with_cache: int
+
+    @property
+    def bytes_per_token_per_rank(self) -> int:
+        return sum(row.bytes_per_token for row in self.groups)
+
+    @property
+    def state_bytes_per_sequence_per_rank(self) -> int:
+        return sum(row.bytes_per_sequence for row in self.groups)
+
+    @property
+    def bytes_per_chunk_per_rank(self) -> int:
+        return sum(row.chunk_bytes for row in self.groups)
+
+    def costs(self) -> list[GroupCost]:
+        return [
+            GroupCost(spec=row.group.spec, bytes_per_token=row.bytes_per_token,
+                      bytes_per_sequence=row.bytes_per_sequence)
+            for row in self.groups
+        ]
+
+    def memory_for_tokens(self, *, hybrid: bool) -> int | None:
+        if self.params.tokens is None:
+            return None
+        return memory_needed(self.costs(), self.params.tokens, self.params.seqs, self.params.block_size,
+                             hybrid=hybrid)
+
+    def fit_in_memory(self, *, hybrid: bool) -> Fit | None:
+        if self.params.memory_gib is None:
+            return None
+        return tokens_that_fit(
+            self.costs(), int(self.params.memory_bytes or 0), self.params.seqs, self.params.block_size,
+            self.model.max_position_embeddings, hybrid=hybrid,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        params, tp = self.params, self.params.tp
+        capacity: dict[str, Any] = {"memory": None, "tokens": None}
+        hybrid_fit, full_fit = self.fit_in_memory(hybrid=True), self.fit_in_memory(hybrid=False)
+        if hybrid_fit is not None and full_fit is not None:
+            capacity["memory"] = {
+                "budget_bytes_per_rank": params.memory_bytes or 0,
+                "sequences": params.seqs,
+                "tokens_per_sequence": hybrid_fit.tokens_per_sequence,
+                "total_tokens": hybrid_fit.tokens_per_sequence * params.seqs,
+                "limited_by": hybrid_fit.limited_by,
+                "tokens_per_sequence_all_full": full_fit.tokens_per_sequence,
+                "total_tokens_all_full": full_fit.tokens_per_sequence * params.seqs,
+                "limited_by_all_full": full_fit.limited_by,
+            }
+        hybrid_need, full_need = self.memory_for_tokens(hybrid=True), self.memory_for_tokens(hybrid=False)
+        if hybrid_need is not None and full_need is not None:
+            capacity["tokens"] = {
+                "tokens_per_sequence": params.tokens,
+                "sequences": params.seqs,
+                "bytes_per_rank": hybrid_need,
+                "bytes_all_ranks": hybrid_need * tp,
+                "bytes_per_rank_all_full": full_need,
+                "bytes_all_ranks_all_full": full_need * tp,
+            }
+        return {
+            "format": REPORT_FORMAT,
+            "model": self.model_name,
+            "source": self.source,
+            "model_type": self.model.model_type,
+            "max_position_embeddings": self.model.max_position_embeddings,
+            "engine": {
+                "tp": tp, "rank": params.rank, "block_size": params.block_size, "layout": params.layout.value,
+                "kv_dtype": dtype_name(self.kv_dtype), "state_dtype": dtype_name(self.state_dtype),
+                "chunk_size": params.chunk_size, "num_blocks": self.num_blocks, "memory_gib": params.memory_gib,
+                "tokens": params.tokens, "seqs": params.seqs,
+            },
+            "layers": {"total": len(self.model.layers), "with_cache": self.layers_with_cache},
+            "groups": [row.to_dict(index) for index, row in enumerate(self.groups)],
+            "totals": {
+                "bytes_per_token_per_rank": self.bytes_per_token_per_rank,
+                "bytes_per_token_all_ranks": self.bytes_per_token_per_rank * tp,
+                "state_bytes_per_sequence_per_rank": self.state_bytes_per_sequence_per_rank,
+                "state_bytes_per_sequence_all_ranks": self.state_bytes_per_sequence_per_rank * tp,
+                "bytes_per_chunk_per_rank": self.bytes_per_chunk_per_rank,
+                "fingerprint": self.metadata.fingerprint(),
+            },
+            "capacity": capacity,
+            "warnings": list(self.model.warnings),
+            "metadata": self.metadata.to_dict(),
+        }
+
+
+def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
+    metadata = build.metadata
+    groups = metadata.kv_layer_groups_manager.kv_layer_groups
+    return tuple(
+        GroupReport(
+            group=group,
+            model_layers=tuple(build.model_layer_of[name] for name in group.layer_names),
+            chunk_shape=chunk_shape,
+            bytes_per_token=group.bytes_per_token,
+            bytes_per_sequence=group.bytes_per_sequence,
+            chunk_bytes=group.chunk_bytes(metadata.chunk_size),
+        )
+        for group, chunk_shape in zip(groups, metadata.get_shapes(), strict=True)
+    )
+
+
+def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source: str = "") -> Report:
+    """Build the caches of ``spec`` on the meta device for one rank and describe them."""
+    build = build_rank(spec, model_name, params)
+    return Report(
+        model_name=model_name, source=source, model=spec, params=params, kv_dtype=build.kv_dtype,
+        state_dtype=build.state_dtype, num_blocks=build.num_blocks, groups=_group_rows(build),
+        metadata=build.metadata, layers_with_cache=build.layers_with_cache,
+    )

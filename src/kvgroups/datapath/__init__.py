@@ -1,0 +1,1 @@
+"""The data path: moving token ranges and states between an engine's caches and chunk tensors."""

@@ -1,0 +1,78 @@
+"""One call's slots, checked: the token range, where its tokens sit per block size, its state slots.
+
+Every kernel reads a call through :class:`CallSlots`; nothing here copies cache data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_ARANGE: dict[int, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """Where a token range lives in caches of one block size (tensors on the caches' device).
+
+    The first ``num_block_tokens`` tokens fill whole blocks ``block_ids`` (the range starts on a
+    block boundary and runs through each block in order); ``blocks``/``offsets`` locate every
+    token.
+    """
+
+    num_tokens: int
+    num_block_tokens: int
+    block_ids: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+
+def plan_tokens(slots: torch.Tensor, cpu_slots: torch.Tensor, block_size: int) -> TokenPlan:
+    """The :class:`TokenPlan` of ``slots`` (on the caches' device; ``cpu_slots`` the same on the CPU)."""
+    num_tokens = cpu_slots.shape[0]
+    full_blocks = num_tokens // block_size
+    aligned = False
+    if full_blocks:
+        arange = _ARANGE.get(block_size)
+        if arange is None:
+            arange = _ARANGE[block_size] = torch.arange(block_size)
+        head = cpu_slots[: full_blocks * block_size].view(full_blocks, block_size)
+        first = head[:, :1]
+        aligned = bool(((first % block_size == 0) & (head - first == arange)).all())
+    num_block_tokens = full_blocks * block_size if aligned else 0
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    return TokenPlan(
+        num_tokens=num_tokens,
+        num_block_tokens=num_block_tokens,
+        block_ids=blocks[:num_block_tokens:block_size],
+        blocks=blocks,
+        offsets=slots - blocks * block_size,
+    )
+
+
+@dataclass(frozen=True)
+class CallSlots:
+    """A call's checked slots: ``slots`` on the caches' device (``cpu_slots`` the same on the CPU)."""
+
+    slots: torch.Tensor | None  # [num_tokens] int64, None when no group is token-indexed
+    cpu_slots: torch.Tensor | None
+    state_indices: torch.Tensor | None  # [num_states] int64, None when no group is recurrent
+    _plans: dict[int, TokenPlan] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.cpu_slots is None else int(self.cpu_slots.shape[0])
+
+    @property
+    def num_states(self) -> int:
+        return 0 if self.state_indices is None else int(self.state_indices.shape[0])
+
+    def plan(self, block_size: int) -> TokenPlan | None:
+        """The tokens' plan for caches of ``block_size`` (built once per block size), None without slots."""
+        if self.slots is None or self.cpu_slots is None:
+            return None
+        plan = self._plans.get(block_size)
+        if plan is None:
+            plan = self._plans[block_size] = plan_tokens(self.slots, self.cpu_slots, block_size)
+        return plan

@@ -1,0 +1,1 @@
+"""Bindings to serving engines and model libraries (transformers, vLLM); optional extras, never imported by the core."""

@@ -1,0 +1,2 @@
+"""Models as far as their caches go: per-layer specs, config readers, bundled presets, the meta-device
+engine build and capacity."""

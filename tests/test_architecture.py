@@ -1,0 +1,106 @@
+"""The package's layering, read from its own import statements: no cycles, nothing imports upward."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvgroups"
+
+# What each part of the package may import. The core is the package's top-level modules.
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core"},
+    "models": {"core", "models"},
+    "datapath": {"core", "datapath"},
+    "store": {"core", "datapath", "store"},
+    "integrations": {"core", "models", "datapath", "store", "integrations"},
+    "cli": {"core", "models", "datapath", "store", "integrations", "cli"},
+    # Public names and entry points that only point at a subpackage.
+    "alias:transfer": {"datapath"},
+    "alias:__main__": {"cli"},
+}
+MAX_MODULE_LINES = 350
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 2 and parts[1] in ("transfer", "__main__"):
+        return f"alias:{parts[1]}"
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return parts[1]
+    return "core"
+
+
+def imports_of(path: Path) -> set[str]:
+    """The kvgroups modules a file imports at module level or inside functions (all of them count)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("kvgroups"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvgroups"):
+            found.add(node.module)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imports_of(path):
+            # "from kvgroups.a import b" may name a module b; the edge goes to the deepest module that exists.
+            targets.add(imported if imported in modules else imported.rsplit(".", 1)[0])
+        edges[name] = targets - {name}
+    return edges
+
+
+def test_nothing_imports_upward() -> None:
+    offenders = []
+    for module, targets in graph().items():
+        allowed = {"core"} if module == "kvgroups" else ALLOWED[part_of(module)]
+        offenders += [f"{module} -> {target}" for target in sorted(targets) if part_of(target) not in allowed]
+    assert offenders == []
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target):], target])
+            elif target not in state:
+                visit(target, [*stack, target])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_modules_stay_small(path: Path) -> None:
+    assert len(path.read_text(encoding="utf-8").splitlines()) <= MAX_MODULE_LINES
+
+
+def test_the_layering_is_what_this_test_reads() -> None:
+    """The checks above would pass on an empty graph; make sure they read the real one."""
+    edges = graph()
+    assert "kvgroups.layouts" in edges["kvgroups.groups"]
+    assert "kvgroups.datapath.transfer" in edges["kvgroups.transfer"]
+    assert part_of("kvgroups.models.engine") == "models" and part_of("kvgroups.kinds") == "core"
+    assert part_of("kvgroups.models") == "models" and part_of("kvgroups.transfer") == "alias:transfer"
