@@ -1,22 +1,18 @@
-"""Pack/unpack throughput on a Llama-3.1-8B-like layer set, against memory bandwidth and the naive way.
+"""Pack/unpack throughput on a Llama-3.1-8B-like layer set, against plain copies of the same bytes.
 
 32 layers of vLLM FlashAttention caches ``[2, num_blocks, 16, 8, 128]`` bf16 (2 GiB in all by
 default, so chunks are not cache-hot: each iteration moves a different 256-token chunk), allocated
   * one tensor per layer (as vLLM and SGLang allocate them), or
   * as views of one pool for all layers (as engines with a single KV pool allocate them),
-for
-  * block-aligned slot mappings over a shuffled block table, and
-  * arbitrary distinct slots (a random permutation of every slot, 256 at a time).
-Baselines, measured in the same run:
-  (a) one contiguous copy of the same number of bytes from a source that is not cache-hot
-      (the memory-bandwidth limit);
-  (b) the straightforward way: per layer, ``index_select`` of the token rows (``index_copy_``
-      for unpack);
-  (c) for reference, 64 contiguous ``copy_`` calls of the same bytes, one per layer and K/V plane
-      (what any per-plane torch approach pays before it gathers anything).
-GB/s counts the chunk's bytes once. Ratios above 1 against (b) mean kvgroups is faster.
-Set THP_MEM_ALLOC_ENABLE=1 to let torch back the caches with transparent huge pages (random
-blocks then cost no TLB misses), as a production KV pool would be.
+for block-aligned slot mappings over a shuffled block table and for arbitrary distinct slots.
+Baselines, measured in the same loop:
+  (a)  torch ``copy_`` of a chunk's bytes from a region of a large buffer that is not cache-hot
+       into a reused chunk buffer (what pack does at best);
+  (a') the reverse, the reused chunk buffer into a region that is not cache-hot (unpack at best).
+Every variant runs interleaved with the others (A, B, C, ..., A, B, C, ...), each on its own
+region, and each ratio is the median over iterations of (baseline time / variant time) for the
+same iteration. Then: 16-token calls (the fixed cost of a call), pack with and without ``out=``
+(reused vs freshly allocated chunks), and the numba kernel's first-call cost (compile, then cached).
 """
 
 from __future__ import annotations
@@ -24,16 +20,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 from kvgroups import KVLayerGroupsManager
-from kvgroups.transfer import KVTransfer, pack, unpack
+from kvgroups.transfer import KVTransfer, pack
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, CHUNK = 32, 16, 8, 128, 256
 HIDDEN = NUM_KV_HEADS * HEAD_SIZE
+Action = Callable[[int], object]
 
 
 def synchronize(device: torch.device) -> None:
@@ -41,105 +41,8 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(action: Callable[[int], None], iterations: int, device: torch.device) -> float:
-    action(0)  # warm-up: allocator, kernels
-    times = []
-    for iteration in range(1, iterations + 1):
-        synchronize(device)
-        begin = time.perf_counter()
-        action(iteration)
-        synchronize(device)
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
-
-
-def copy_seconds(chunk: torch.Tensor, cache_gib: float, chunks_in_pool: int, iterations: int,
-                 device: torch.device) -> tuple[float, float]:
-    """Baselines (a) one contiguous copy of a chunk's bytes from a source that is not cache-hot,
-    and (c) the same bytes as one copy per (K/V plane, layer)."""
-    source = torch.empty(int(cache_gib * (1 << 30)) // 2, dtype=torch.bfloat16, device=device).fill_(1)
-
-    def contiguous_copy(iteration: int) -> None:
-        offset = iteration % chunks_in_pool * chunk.numel()
-        chunk.view(-1).copy_(source[offset:offset + chunk.numel()])
-
-    planes = chunk.view(-1, chunk.shape[2] * chunk.shape[3]).unbind(0)
-
-    def plane_copies(iteration: int) -> None:
-        offset = iteration % chunks_in_pool * chunk.numel()
-        pieces = source[offset:offset + chunk.numel()].view(len(planes), -1)
-        for plane, piece in zip(planes, pieces, strict=True):
-            plane.copy_(piece)
-
-    return median_seconds(contiguous_copy, iterations, device), median_seconds(plane_copies, iterations, device)
-
-
-def run(allocation: str, cache_gib: float, iterations: int, device: torch.device) -> list[str]:
-    torch.manual_seed(0)
-    block_bytes = NUM_LAYERS * 2 * BLOCK_SIZE * HIDDEN * 2
-    num_blocks = int(cache_gib * (1 << 30)) // block_bytes
-    layer_shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    if allocation == "pool":
-        pool = torch.randn(NUM_LAYERS, *layer_shape, device=device).to(torch.bfloat16)
-        layers = list(pool.unbind(0))
-    else:
-        layers = [torch.randn(*layer_shape, device=device).to(torch.bfloat16) for _ in range(NUM_LAYERS)]
-    caches = {f"model.layers.{index}.self_attn.attn": layer for index, layer in enumerate(layers)}
-    manager = KVLayerGroupsManager()
-    manager.build_kv_layer_groups(caches)
-    chunk = torch.empty(2, NUM_LAYERS, CHUNK, HIDDEN, dtype=torch.bfloat16, device=device)
-    chunk_bytes = chunk.numel() * chunk.element_size()
-    chunks_in_pool = num_blocks * BLOCK_SIZE // CHUNK
-    block_table = torch.randperm(num_blocks)
-    arange = torch.arange(BLOCK_SIZE)
-    every_slot = torch.randperm(num_blocks * BLOCK_SIZE)
-
-    def aligned_slots(iteration: int) -> torch.Tensor:
-        position = iteration % chunks_in_pool * (CHUNK // BLOCK_SIZE)
-        blocks = block_table[position:position + CHUNK // BLOCK_SIZE]
-        return (blocks[:, None] * BLOCK_SIZE + arange).flatten().to(device)
-
-    def arbitrary_slots(iteration: int) -> torch.Tensor:
-        position = iteration % chunks_in_pool * CHUNK
-        return every_slot[position:position + CHUNK].to(device)
-
-    bandwidth, per_plane = copy_seconds(chunk, cache_gib, chunks_in_pool, iterations, device)
-    rows = [
-        f"| {allocation} | (a) one contiguous copy | - | {chunk_bytes / bandwidth / 1e9:.2f} | - | 1.00 | - |",
-        f"| {allocation} | (c) 64 contiguous copies | - | {chunk_bytes / per_plane / 1e9:.2f} | - | "
-        f"{bandwidth / per_plane:.2f} | - |",
-    ]
-    for label, slots_of in (("block-aligned", aligned_slots), ("arbitrary slots", arbitrary_slots)):
-        def ours_pack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
-            pack(manager, caches, slots_of(iteration), out=[chunk])
-
-        def naive_pack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
-            slots = slots_of(iteration)
-            for layer, cache in enumerate(layers):
-                chunk[:, layer] = cache.view(2, -1, HIDDEN).index_select(1, slots)
-
-        def ours_unpack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
-            unpack(manager, caches, [chunk], slots_of(iteration))
-
-        def naive_unpack(iteration: int, slots_of: Callable[[int], torch.Tensor] = slots_of) -> None:
-            slots = slots_of(iteration)
-            for layer, cache in enumerate(layers):
-                cache.view(2, -1, HIDDEN).index_copy_(1, slots, chunk[:, layer])
-
-        for op, ours, naive in (("pack", ours_pack, naive_pack), ("unpack", ours_unpack, naive_unpack)):
-            ours_seconds = median_seconds(ours, iterations, device)
-            naive_seconds = median_seconds(naive, iterations, device)
-            rows.append(
-                f"| {allocation} | {label} | {op} | {chunk_bytes / ours_seconds / 1e9:.2f} | "
-                f"{chunk_bytes / naive_seconds / 1e9:.2f} | {bandwidth / ours_seconds:.2f} | "
-                f"{naive_seconds / ours_seconds:.2f}x |"
-            )
-    return rows
-
-
-def interleaved(variants: dict[str, Callable[[int], None]], iterations: int,
-                device: torch.device) -> dict[str, list[float]]:
-    """Seconds per iteration of each variant, run in turn (A, B, A, B, ...) so that noise hits all alike."""
+def interleaved(variants: dict[str, Action], iterations: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per iteration of each variant, run in turn so that noise hits all alike."""
     for action in variants.values():
         action(0)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -153,65 +56,215 @@ def interleaved(variants: dict[str, Callable[[int], None]], iterations: int,
     return times
 
 
-def small_calls(iterations: int, device: torch.device) -> list[str]:
-    """16-token calls (one block) on 32 layers: the per-call cost of the bound object vs the module function."""
-    num_blocks = 256
-    caches = {
-        f"model.layers.{index}.self_attn.attn": torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE,
-                                                            dtype=torch.bfloat16, device=device)
-        for index in range(NUM_LAYERS)
+def paired(times: dict[str, list[float]], baseline: str, variant: str) -> float:
+    """Median over iterations of baseline time / variant time (above 1: the variant is faster)."""
+    return statistics.median(b / v for b, v in zip(times[baseline], times[variant], strict=True))
+
+
+def make_caches(allocation: str, cache_gib: float, device: torch.device) -> dict[str, torch.Tensor]:
+    block_bytes = NUM_LAYERS * 2 * BLOCK_SIZE * HIDDEN * 2
+    num_blocks = int(cache_gib * (1 << 30)) // block_bytes
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    if allocation == "pool":
+        layers = list(torch.full((NUM_LAYERS, *shape), 1.0, dtype=torch.bfloat16, device=device).unbind(0))
+    else:
+        layers = [torch.full(shape, 1.0, dtype=torch.bfloat16, device=device) for _ in range(NUM_LAYERS)]
+    return {f"model.layers.{index}.self_attn.attn": layer for index, layer in enumerate(layers)}
+
+
+def throughput(allocation: str, cache_gib: float, iterations: int, device: torch.device) -> list[str]:
+    torch.manual_seed(0)
+    caches = make_caches(allocation, cache_gib, device)
+    num_blocks = next(iter(caches.values())).shape[1]
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    kernel = KVTransfer(manager, caches).kernel
+    bound = {
+        kernel: KVTransfer(manager, caches),
+        f"{kernel}, 1 thread": KVTransfer(manager, caches, num_threads=1),
+        "torch": KVTransfer(manager, caches, kernel="torch"),
     }
+    if kernel == "torch":  # no fast kernel here: the torch path is the only one
+        del bound["torch, 1 thread"]
+    chunk = torch.empty(2, NUM_LAYERS, CHUNK, HIDDEN, dtype=torch.bfloat16, device=device)
+    numel = chunk.numel()
+    chunk_bytes = numel * chunk.element_size()
+    region = torch.full((int(cache_gib * (1 << 30)) // 2,), 1.0, dtype=torch.bfloat16, device=device)
+    regions = region.numel() // numel
+    block_table = torch.randperm(num_blocks)
+    every_slot = torch.randperm(num_blocks * BLOCK_SIZE)
+    chunks_per_table = num_blocks * BLOCK_SIZE // CHUNK
+    arange = torch.arange(BLOCK_SIZE)
+
+    def slots_of(mode: str, position: int) -> torch.Tensor:
+        position %= chunks_per_table
+        if mode == "block-aligned":
+            blocks = block_table[position * (CHUNK // BLOCK_SIZE):(position + 1) * (CHUNK // BLOCK_SIZE)]
+            return (blocks[:, None] * BLOCK_SIZE + arange).flatten().to(device)
+        return every_slot[position * CHUNK:(position + 1) * CHUNK].to(device)
+
+    variants: dict[str, Action] = {}
+    count = 0
+
+    def add(name: str, make: Callable[[int], Action]) -> None:
+        nonlocal count
+        variants[name] = make(count)  # each variant walks its own regions and chunks
+        count += 1
+
+    def copy_in(offset: int) -> Action:
+        return lambda i: chunk.view(-1).copy_(region[((i * 16 + offset) % regions) * numel:][:numel])
+
+    def copy_out(offset: int) -> Action:
+        return lambda i: region[((i * 16 + offset) % regions) * numel:][:numel].copy_(chunk.view(-1))
+
+    add("(a)", copy_in)
+    add("(a')", copy_out)
+    for name, transfer in bound.items():
+        for mode in ("block-aligned", "arbitrary slots"):
+            def packer(offset: int, transfer: KVTransfer = transfer, mode: str = mode) -> Action:
+                return lambda i: transfer.pack(slots_of(mode, i * 16 + offset), out=[chunk])
+
+            def unpacker(offset: int, transfer: KVTransfer = transfer, mode: str = mode) -> Action:
+                return lambda i: transfer.unpack([chunk], slots_of(mode, i * 16 + offset))
+
+            add(f"{name}|{mode}|pack", packer)
+            add(f"{name}|{mode}|unpack", unpacker)
+    times = interleaved(variants, iterations, device)
+    copy_in_seconds, copy_out_seconds = statistics.median(times["(a)"]), statistics.median(times["(a')"])
+    rows = [
+        f"| {allocation} | (a) copy_ from a cold region | - | torch | {chunk_bytes / copy_in_seconds / 1e9:.2f} "
+        f"| 1.00 |",
+        f"| {allocation} | (a') copy_ into a cold region | - | torch | {chunk_bytes / copy_out_seconds / 1e9:.2f} "
+        f"| 1.00 |",
+    ]
+    for key in variants:
+        if "|" not in key:
+            continue
+        name, mode, op = key.split("|")
+        baseline = "(a)" if op == "pack" else "(a')"
+        rows.append(
+            f"| {allocation} | {mode} | {op} | {name} | {chunk_bytes / statistics.median(times[key]) / 1e9:.2f} | "
+            f"{paired(times, baseline, key):.2f} |"
+        )
+    return rows
+
+
+def small_calls(iterations: int, device: torch.device) -> list[str]:
+    """16-token calls (one block) on 32 layers: what one call costs beyond its bytes."""
+    caches = make_caches("per-layer", 0.25, device)
+    num_blocks = next(iter(caches.values())).shape[1]
     manager = KVLayerGroupsManager()
     manager.build_kv_layer_groups(caches)
     bound = KVTransfer(manager, caches)
+    reference = KVTransfer(manager, caches, kernel="torch")
     chunk = torch.empty(2, NUM_LAYERS, BLOCK_SIZE, HIDDEN, dtype=torch.bfloat16, device=device)
     slots = [torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE, device=device) for block in range(num_blocks)]
+    variants: dict[str, Action] = {
+        f"bound KVTransfer ({bound.kernel})|pack": lambda i: bound.pack(slots[i % num_blocks], out=[chunk]),
+        f"bound KVTransfer ({bound.kernel})|unpack": lambda i: bound.unpack([chunk], slots[(i + 7) % num_blocks]),
+        "bound KVTransfer (torch)|pack": lambda i: reference.pack(slots[(i + 3) % num_blocks], out=[chunk]),
+        "bound KVTransfer (torch)|unpack": lambda i: reference.unpack([chunk], slots[(i + 9) % num_blocks]),
+        "module function pack()|pack": lambda i: pack(manager, caches, slots[(i + 5) % num_blocks], out=[chunk]),
+    }
+    times = interleaved(variants, iterations, device)
+    return [f"| {key.split('|')[1]} | 16 | {key.split('|')[0]} | {statistics.median(values) * 1e3:.3f} |"
+            for key, values in times.items()]
+
+
+def allocation_cost(iterations: int, device: torch.device) -> list[str]:
+    """256-token pack into out=, into the bound object's reused chunks, and into fresh tensors."""
+    caches = make_caches("per-layer", 1.0, device)
+    num_blocks = next(iter(caches.values())).shape[1]
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    bound = KVTransfer(manager, caches)
+    chunk = torch.empty(2, NUM_LAYERS, CHUNK, HIDDEN, dtype=torch.bfloat16, device=device)
+    per_chunk = CHUNK // BLOCK_SIZE
+    table = torch.randperm(num_blocks)
+
+    def slots(i: int) -> torch.Tensor:
+        blocks = table[(i % (num_blocks // per_chunk)) * per_chunk:][:per_chunk]
+        return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(device)
+
+    def fresh(i: int) -> None:
+        # What a caller gets without reuse: a new chunk tensor per call (page-faulted on first write).
+        out = [torch.empty(2, NUM_LAYERS, CHUNK, HIDDEN, dtype=torch.bfloat16, device=device)]
+        bound.pack(slots(i + 2), out=out)
+
+    variants: dict[str, Action] = {
+        "pack(out=[reused buffer])": lambda i: bound.pack(slots(i), out=[chunk]),
+        "pack() (chunk dropped before the next call)": lambda i: bound.pack(slots(i + 1)),
+        "pack(out=[fresh torch.empty])": fresh,
+    }
+    times = interleaved(variants, iterations, device)
+    return [f"| {name} | {statistics.median(values) * 1e3:.2f} |" for name, values in times.items()]
+
+
+FIRST_CALL = """
+import time
+begin = time.perf_counter()
+import torch
+from kvgroups import KVLayerGroupsManager
+from kvgroups.transfer import KVTransfer
+caches = {f"l{i}": torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16) for i in range(32)}
+manager = KVLayerGroupsManager()
+manager.build_kv_layer_groups(caches)
+ready = time.perf_counter()
+transfer = KVTransfer(manager, caches)
+chunks = transfer.pack(torch.arange(256))
+transfer.unpack(chunks, torch.arange(256, 512))
+print(transfer.kernel, time.perf_counter() - ready)
+"""
+
+
+def first_call_cost() -> list[str]:
+    """Bind + first pack/unpack in a new process: numba compiling (empty cache), then loading its cache."""
     rows = []
-    for op in ("pack", "unpack"):
-        if op == "pack":
-            variants: dict[str, Callable[[int], None]] = {
-                "module": lambda i: pack(manager, caches, slots[i % num_blocks], out=[chunk]) and None,
-                "bound": lambda i: bound.pack(slots[i % num_blocks], out=[chunk]) and None,
-            }
-        else:
-            variants = {
-                "module": lambda i: unpack(manager, caches, [chunk], slots[i % num_blocks]),
-                "bound": lambda i: bound.unpack([chunk], slots[i % num_blocks]),
-            }
-        times = interleaved(variants, iterations, device)
-        ratio = statistics.median(m / b for m, b in zip(times["module"], times["bound"], strict=True))
-        rows.append(
-            f"| {op} | 16 | {statistics.median(times['module']) * 1e3:.3f} | "
-            f"{statistics.median(times['bound']) * 1e3:.3f} | {ratio:.2f}x |"
-        )
+    with tempfile.TemporaryDirectory() as cache_dir:
+        environment = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+        for label in ("first run (compiles)", "later runs (cache=True)"):
+            output = subprocess.run([sys.executable, "-c", FIRST_CALL], env=environment, capture_output=True,
+                                    text=True, check=True).stdout.split()
+            rows.append(f"| {label} | {output[0]} | {float(output[1]):.2f} |")
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-gib", type=float, default=2.0, help="total size of the caches (>= 1)")
-    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--small-iterations", type=int, default=400)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--allocation", choices=["per-layer", "pool", "both"], default="both")
-    parser.add_argument("--small-iterations", type=int, default=400)
     args = parser.parse_args()
     device = torch.device(args.device)
+    threads = torch.get_num_threads()
     print(f"{NUM_LAYERS} layers x [2, num_blocks, {BLOCK_SIZE}, {NUM_KV_HEADS}, {HEAD_SIZE}] bf16, "
           f"{args.cache_gib} GiB of caches on {device}; chunk [2, {NUM_LAYERS}, {CHUNK}, {HIDDEN}] = "
-          f"{2 * NUM_LAYERS * CHUNK * HIDDEN * 2 >> 20} MiB; torch threads {torch.get_num_threads()}; "
-          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}\n")
-    print("| allocation | slot mapping (or baseline) | op | GB/s | (b) per-layer index_select GB/s | vs (a) | vs (b) |")
-    print("|---|---|---|---|---|---|---|")
+          f"{2 * NUM_LAYERS * CHUNK * HIDDEN * 2 >> 20} MiB; torch threads {threads}; "
+          f"{args.iterations} interleaved iterations\n")
+    print("| allocation | slot mapping (or baseline) | op | kernel | GB/s | vs (a) for pack, (a') for unpack |")
+    print("|---|---|---|---|---|---|")
     allocations = ["per-layer", "pool"] if args.allocation == "both" else [args.allocation]
     for allocation in allocations:
-        for row in run(allocation, args.cache_gib, args.iterations, device):
+        for row in throughput(allocation, args.cache_gib, args.iterations, device):
             print(row, flush=True)
-    print(f"\nSmall calls, {NUM_LAYERS} layers, one tensor per layer; medians over {args.small_iterations} "
-          f"interleaved calls; speedup = median of paired ratios\n")
-    print("| op | tokens | module function ms | bound KVTransfer ms | speedup |")
-    print("|---|---|---|---|---|")
+    print(f"\nSmall calls: 32 layers, one tensor per layer, medians of {args.small_iterations} interleaved calls\n")
+    print("| op | tokens | how | ms per call |")
+    print("|---|---|---|---|")
     for row in small_calls(args.small_iterations, device):
         print(row, flush=True)
+    print(f"\nChunk memory: 256-token block-aligned pack, medians of {args.iterations * 2} interleaved calls\n")
+    print("| call | ms per call |")
+    print("|---|---|")
+    for row in allocation_cost(args.iterations * 2, device):
+        print(row, flush=True)
+    if device.type == "cpu":
+        print("\nFirst call in a new process (bind, pack, unpack of 256 tokens on 32 layers)\n")
+        print("| run | kernel | seconds |")
+        print("|---|---|---|")
+        for row in first_call_cost():
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

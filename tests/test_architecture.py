@@ -104,3 +104,16 @@ def test_the_layering_is_what_this_test_reads() -> None:
     assert "kvgroups.datapath.transfer" in edges["kvgroups.transfer"]
     assert part_of("kvgroups.models.engine") == "models" and part_of("kvgroups.kinds") == "core"
     assert part_of("kvgroups.models") == "models" and part_of("kvgroups.transfer") == "alias:transfer"
+
+
+def test_the_command_and_the_core_import_nothing_heavy() -> None:
+    """``kvgroups inspect`` starts fast: the CLI and the core never import numba, Triton or transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvgroups, kvgroups.cli.main, kvgroups.transfer; "
+        "print(sorted(m for m in ('numba', 'triton', 'transformers', 'vllm', 'redis') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

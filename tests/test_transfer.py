@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,23 @@ from kvgroups import (
 from kvgroups.transfer import KVTransfer, pack, unpack
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+KERNELS = [
+    pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} missing"))
+    if name != "torch" else name
+    for name in ("numba", "triton", "torch")
+]
+
+
+@pytest.fixture(scope="module", params=KERNELS, autouse=True)
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test of this module runs once per kernel, forced as a user would force it."""
+    previous = os.environ.get("KVGROUPS_KERNEL")
+    os.environ["KVGROUPS_KERNEL"] = request.param
+    yield request.param
+    if previous is None:
+        del os.environ["KVGROUPS_KERNEL"]
+    else:
+        os.environ["KVGROUPS_KERNEL"] = previous
 
 # token (block b, offset o) of plane kv -> its [num_heads, head_size] (MLA: [head_size]) elements,
 # spelled out per layout, independently of kvgroups' axis tables.
@@ -379,3 +398,102 @@ def test_binding_checks_every_layer_once_and_calls_check_only_their_arguments(ll
     with pytest.raises(ChunkMismatchError, match=r"chunk for group 0 is \[2, 2, 2, 16\]"):
         bound.unpack([torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16)], torch.tensor([1]))
     assert_unchanged(caches, before)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.data())
+def test_the_kernel_moves_the_same_bytes_as_the_torch_path(kernel: str, case: Case, data: st.DataObject) -> None:
+    caches, manager = build(case)
+    slot_mapping, start, end = draw_slots(case, data)
+    fast, reference = KVTransfer(manager, caches), KVTransfer(manager, caches, kernel="torch")
+    assert fast.kernels == [kernel] and reference.kernels == ["torch"]
+    (chunk,) = fast.pack(slot_mapping, start=start, end=end)
+    (expected,) = reference.pack(slot_mapping, start=start, end=end)
+    assert torch.equal(chunk.view(torch.uint8), expected.view(torch.uint8))
+    generator = torch.Generator().manual_seed(case.seed + 2)
+    noise = random_tensor(tuple(chunk.shape), case.dtype, generator)
+    targets = {name: clone_cache(value) for name, value in caches.items()}
+    wanted = {name: clone_cache(value) for name, value in caches.items()}
+    KVTransfer(manager, targets).unpack([noise], slot_mapping, start=start, end=end)
+    KVTransfer(manager, wanted, kernel="torch").unpack([noise], slot_mapping, start=start, end=end)
+    for name in caches:
+        for got, want in zip(bits(targets[name]), bits(wanted[name]), strict=True):
+            assert torch.equal(got, want), name
+
+
+def test_the_forced_kernel_serves_every_group_it_can_describe(kernel: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+    spec = RecurrentState(state_shapes=((6, 3), (2, 4)))
+    pool = random_tensor((3, 2, 4, 16, 2, 8), torch.float16, generator)
+    caches: dict[str, Any] = {f"p{i}": pool[i] for i in range(3)}
+    caches.update({f"h{i}": random_tensor((4, 2, 16, 2, 8), torch.float16, generator).permute(0, 1, 3, 2, 4)
+                   for i in range(2)})
+    caches["m"] = (random_tensor((3, 6, 3), torch.float16, generator),
+                   random_tensor((3, 2, 4), torch.float16, generator))
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches, {"m": spec},
+                                  layout={"h0": KVLayout.FLASHINFER_HND, "h1": KVLayout.FLASHINFER_HND})
+    assert KVTransfer(manager, caches).kernels == [kernel] * 3
+    # A recurrent state whose slots are not contiguous cannot be addressed by a table: torch copies it.
+    strided = dict(caches, m=(caches["m"][0].transpose(1, 2).contiguous().transpose(1, 2), caches["m"][1]))
+    assert KVTransfer(manager, strided).kernels == [kernel, kernel, "torch"]
+    slots = torch.arange(10, 40)
+    expected = KVTransfer(manager, strided, kernel="torch").pack(slots, state_indices=[2, 0])
+    got = KVTransfer(manager, strided).pack(slots, state_indices=[2, 0])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_kernel_that_cannot_run_is_an_error_not_a_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = {"l0": torch.zeros(2, 4, 16, 2, 8)}
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    monkeypatch.setenv("KVGROUPS_KERNEL", "cuda-magic")
+    with pytest.raises(KVGroupsError, match=r"unknown kernel 'cuda-magic' \(from KVGROUPS_KERNEL\); expected one"):
+        KVTransfer(manager, caches)
+    monkeypatch.setenv("KVGROUPS_KERNEL", "numba")
+    meta_caches = {"l0": caches["l0"].to("meta")}
+    with pytest.raises(KVGroupsError, match=r"kernel 'numba' was asked for but cannot run: .*CPU memory; .* on meta"):
+        KVTransfer(manager, meta_caches)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KVGroupsError, match=r"kernel 'triton' was asked for .*set TRITON_INTERPRET=1"):
+        KVTransfer(manager, caches, kernel="triton")
+    monkeypatch.delenv("KVGROUPS_KERNEL")
+    assert KVTransfer(manager, meta_caches).kernels == ["torch"]
+    with pytest.raises(KVGroupsError, match=r"num_threads must be an int >= 1"):
+        KVTransfer(manager, caches, num_threads=0)
+
+
+def test_a_cache_reallocated_after_binding_is_caught(kernel: str) -> None:
+    caches = {"l0": torch.zeros(2, 4, 16, 2, 8)}
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    bound = KVTransfer(manager, caches)
+    if bound.kernels == ["torch"]:
+        pytest.skip("the torch path copies through views, which follow the tensor")
+    caches["l0"].set_(torch.zeros(2, 4, 16, 2, 8).untyped_storage(), 0, (2, 4, 16, 2, 8))
+    with pytest.raises(KVGroupsError, match=r"reallocated .* bind again"):
+        bound.pack(torch.arange(4))
+
+
+def test_chunks_from_pack_are_never_reused_while_held(kernel: str) -> None:
+    generator = torch.Generator().manual_seed(6)
+    caches = {"l0": random_tensor((2, 8, 16, 2, 8), torch.float32, generator)}
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches)
+    bound, reference = KVTransfer(manager, caches), KVTransfer(manager, caches, kernel="torch")
+    (first,) = bound.pack(torch.arange(0, 16))
+    kept, first_memory = first.clone(), first.data_ptr()
+    view = first[0]
+    del first
+    (second,) = bound.pack(torch.arange(16, 32))  # the first chunk's memory is still held by `view`
+    assert second.data_ptr() != first_memory and torch.equal(view, kept[0])
+    second_memory = second.data_ptr()
+    del view, second
+    (third,) = bound.pack(torch.arange(32, 48))  # both are free again: one of them serves
+    assert third.data_ptr() in (first_memory, second_memory)
+    assert torch.equal(third, reference.pack(torch.arange(32, 48))[0])
+    del third
+    held = [bound.pack(torch.arange(i * 16, i * 16 + 16))[0] for i in range(4)]
+    assert len({chunk.data_ptr() for chunk in held}) == 4
+    for index, chunk in enumerate(held):
+        assert torch.equal(chunk, reference.pack(torch.arange(index * 16, index * 16 + 16))[0])

@@ -17,11 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvgroups.datapath.buffers import ChunkPool
+from kvgroups.datapath.kernels import Copier, choose_kernel, state_copier, token_copier
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.staging import Staging
-from kvgroups.datapath.torch_copy import StateCopier, TokenCopier
 from kvgroups.errors import ChunkMismatchError, KVGroupsError, SlotMappingError
 from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.layer_caches import Tensors, check_layer
@@ -74,18 +76,34 @@ class KVTransfer:
 
     ``groups`` is a :class:`~kvgroups.KVLayerGroupsManager` or a list of its groups, as built from
     ``kv_caches`` (layer name -> cache value). Binding checks every layer against its group
-    (shape, dtype, one device) and builds the views the copies go through; a call then checks only
-    its own slots and chunks. Bind again when the caches are reallocated or the groups change.
+    (shape, dtype, one device) and builds what the copies go through (address tables for the
+    numba and Triton kernels, views for the torch path); a call then checks only its own slots and
+    chunks. Bind again when the caches are reallocated or the groups change.
+
+    ``kernel`` forces ``"numba"``, ``"triton"`` or ``"torch"`` (default: ``$KVGROUPS_KERNEL``, else
+    the fastest that runs on the caches' device, see :mod:`kvgroups.datapath.kernels`);
+    ``kernels`` lists the one serving each group. ``num_threads`` caps the CPU kernel's threads
+    (default: ``torch.get_num_threads()`` at each call; calls under 4 MiB use one thread).
+    ``pack`` without ``out=`` returns chunks in memory it reuses once the caller has dropped
+    every earlier chunk of that size (a loop over chunks then page-faults nothing).
     """
 
-    def __init__(self, groups: Groups, kv_caches: Mapping[str, Any]) -> None:
+    def __init__(self, groups: Groups, kv_caches: Mapping[str, Any], *, kernel: str | None = None,
+                 num_threads: int | None = None) -> None:
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise KVGroupsError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
         self.groups = _group_list(groups)
         layers, self.device = _bind_layers(self.groups, kv_caches)
-        self._copiers: list[TokenCopier | StateCopier] = [
-            TokenCopier(group.layout, group.block_size, group_layers) if group.token_indexed
-            else StateCopier(group_layers)
+        self.kernel = choose_kernel(self.device, kernel)
+        chosen = [
+            token_copier(self.kernel, group.layout, group.block_size, group_layers, num_threads)
+            if group.token_indexed else state_copier(self.kernel, group_layers)
             for group, group_layers in zip(self.groups, layers, strict=True)
         ]
+        self.kernels: list[str] = [name for name, _ in chosen]
+        self._copiers: list[Copier] = [copier for _, copier in chosen]
+        self._pool = ChunkPool(self.device)
         token_groups = [group for group in self.groups if group.token_indexed]
         self._token_groups = token_groups
         self._recurrent = [index for index, group in enumerate(self.groups) if not group.token_indexed]
@@ -114,10 +132,7 @@ class KVTransfer:
         call = self._check_call(slot_mapping, start, end, state_indices, distinct=False)
         shapes = [group.chunk_shape(call.num_tokens, call.num_states) for group in self.groups]
         if out is None:
-            results = [
-                torch.empty(shape, dtype=group.dtype, device=self.device)
-                for group, shape in zip(self.groups, shapes, strict=True)
-            ]
+            results = [self._pool.empty(shape, group.dtype) for group, shape in zip(self.groups, shapes, strict=True)]
             self._move(call, results, scatter=False)
             return results
         outputs = list(out)
@@ -186,14 +201,16 @@ class KVTransfer:
             raise SlotMappingError(f"token range start={start}, end={end} must satisfy 0 <= start <= end <= {length}")
         slots = slot_mapping[start:end]
         cpu_slots = slots.cpu()
-        if cpu_slots.shape[0]:
-            low, high = torch.aminmax(cpu_slots)
-            if int(low) < 0 or int(high) >= self._slot_limit:
+        # NumPy answers these questions on a few hundred slots in microseconds, torch in tens of them.
+        values = cpu_slots.numpy()
+        if values.size:
+            if int(values.min()) < 0 or int(values.max()) >= self._slot_limit:
                 self._raise_out_of_range(cpu_slots)
-            if distinct and torch.unique(cpu_slots).shape[0] != cpu_slots.shape[0]:
-                unique, counts = torch.unique(cpu_slots, return_counts=True)
-                raise SlotMappingError(f"slot_mapping maps several tokens to slots {unique[counts > 1][:8].tolist()}; "
-                                       f"two tokens cannot own one slot")
+            if distinct:
+                unique, counts = np.unique(values, return_counts=True)
+                if unique.size != values.size:
+                    raise SlotMappingError(f"slot_mapping maps several tokens to slots "
+                                           f"{unique[counts > 1][:8].tolist()}; two tokens cannot own one slot")
         return slots.to(self.device), cpu_slots
 
     def _raise_out_of_range(self, cpu_slots: torch.Tensor) -> None:

@@ -1,0 +1,142 @@
+"""Address tables: where every byte a group's copies touch sits, read once from the bound tensors.
+
+A token group's table lists the base address of each (K/V plane, layer) in chunk order and the
+byte strides that locate a token inside a plane; a recurrent group's table lists each (layer,
+state tensor) with its slot stride and where its bytes go in a chunk row. The kernels that copy
+from a table (numba on the CPU, Triton on CUDA) trust it; everything they are handed was checked
+when the caches were bound and when the call's slots were. A table holds the tensors it points
+into, so they stay alive while it is used, and :meth:`still_valid` tells when one was moved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvgroups.layer_caches import Tensors, kv_planes
+from kvgroups.layouts import KVLayout, to_token_major
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTable:
+    """Byte addresses of a token group: plane ``p`` of layer ``l`` at ``bases[p * num_layers + l]``.
+
+    Token ``(block, offset)`` of a plane starts ``block * block_stride + offset * offset_stride``
+    bytes after its base. In the cache a token's row is ``units`` contiguous pieces of
+    ``unit_bytes``, ``unit_stride`` bytes apart (one piece in NHD layouts, one per head in HND);
+    in a chunk it is one contiguous run of ``row_bytes``.
+    """
+
+    tensors: tuple[torch.Tensor, ...]  # every tensor addressed, kept alive
+    pointers: tuple[int, ...]  # their data_ptr() when the table was built
+    bases: torch.Tensor  # int64 [num_planes * num_layers], on the CPU
+    num_planes: int
+    num_layers: int
+    block_stride: int
+    offset_stride: int
+    row_bytes: int
+    units: int
+    unit_bytes: int
+    unit_stride: int
+
+    def still_valid(self) -> bool:
+        """Whether every addressed tensor still has the memory it had (no ``resize_`` / ``set_`` since)."""
+        return all(tensor.data_ptr() == pointer for tensor, pointer in zip(self.tensors, self.pointers, strict=True))
+
+
+@dataclass(frozen=True, eq=False)
+class StateTable:
+    """Byte addresses of a recurrent group: one entry per (layer, state tensor), layer-major.
+
+    Slot ``i`` of entry ``e`` is ``unit_bytes[e]`` contiguous bytes at ``bases[e] + i *
+    slot_strides[e]``; in a chunk row of ``row_bytes`` (one layer's states of one sequence) they
+    start at ``columns[e]``, in the row of layer ``layers[e]``.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    pointers: tuple[int, ...]
+    bases: torch.Tensor  # int64 [entries]
+    slot_strides: torch.Tensor
+    unit_bytes: torch.Tensor
+    columns: torch.Tensor
+    layers: torch.Tensor
+    num_layers: int
+    row_bytes: int
+
+    def still_valid(self) -> bool:
+        return all(tensor.data_ptr() == pointer for tensor, pointer in zip(self.tensors, self.pointers, strict=True))
+
+
+def token_table(layout: KVLayout, layers: Sequence[Tensors]) -> TokenTable | None:
+    """The table of a token group's layer tensors, or None when they cannot share one.
+
+    None when the layers' tensors differ in strides (each plane must be located the same way) or a
+    head's elements are not contiguous.
+    """
+    planes = [kv_planes(layout, tensors) for tensors in layers]
+    first = planes[0][0][0]
+    strides = first.stride()
+    if any(tensor.stride() != strides for layer in planes for tensor, _ in layer):
+        return None
+    views = [[to_token_major(layout, tensor, plane) for tensor, plane in layer] for layer in planes]
+    _, _, num_heads, head_size = views[0][0].shape
+    block_stride, offset_stride, head_stride, element_stride = views[0][0].stride()
+    if element_stride != 1 and head_size > 1:
+        return None
+    item = first.element_size()
+    rows_contiguous = head_stride == head_size or num_heads == 1
+    num_planes = len(planes[0])
+    # Chunk order: plane-major, then layer (a chunk is [kv_size, num_layers, tokens, hidden]).
+    bases = [int(views[layer][plane].data_ptr()) for plane in range(num_planes) for layer in range(len(views))]
+    tensors = tuple({id(tensor): tensor for layer in planes for tensor, _ in layer}.values())
+    return TokenTable(
+        tensors=tensors, pointers=tuple(tensor.data_ptr() for tensor in tensors),
+        bases=torch.tensor(bases, dtype=torch.int64), num_planes=num_planes, num_layers=len(views),
+        block_stride=block_stride * item, offset_stride=offset_stride * item,
+        row_bytes=num_heads * head_size * item,
+        units=1 if rows_contiguous else num_heads,
+        unit_bytes=(num_heads if rows_contiguous else 1) * head_size * item,
+        unit_stride=head_stride * item,
+    )
+
+
+def _slot_contiguous(state: torch.Tensor) -> bool:
+    """Whether each slot ``state[i]`` is one contiguous run (the slot axis itself may be strided)."""
+    expected = 1
+    for size, stride in zip(reversed(state.shape[1:]), reversed(state.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def state_table(layers: Sequence[Tensors]) -> StateTable | None:
+    """The table of a recurrent group's state tensors, or None when a slot is not one contiguous run."""
+    bases, strides, sizes, columns, owners = [], [], [], [], []
+    row_bytes = 0
+    for layer, states in enumerate(layers):
+        column = 0
+        for state in states:
+            if not _slot_contiguous(state):
+                return None
+            item = state.element_size()
+            bases.append(int(state.data_ptr()))
+            strides.append(int(state.stride(0)) * item)
+            sizes.append(math.prod(state.shape[1:]) * item)
+            columns.append(column)
+            owners.append(layer)
+            column += sizes[-1]
+        row_bytes = column
+    tensors = tuple({id(state): state for states in layers for state in states}.values())
+
+    def as_table(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return StateTable(
+        tensors=tensors, pointers=tuple(tensor.data_ptr() for tensor in tensors),
+        bases=as_table(bases), slot_strides=as_table(strides), unit_bytes=as_table(sizes),
+        columns=as_table(columns), layers=as_table(owners), num_layers=len(layers), row_bytes=row_bytes,
+    )

@@ -1,0 +1,53 @@
+"""Chunk buffers for ``pack`` calls without ``out=``: memory reused once nobody holds it any more.
+
+Page-faulting a fresh 32 MiB tensor costs this kind of machine about twice what copying a chunk
+into it does, and torch's CPU allocator returns large blocks to the system. A :class:`ChunkPool`
+keeps a few storages per size and hands one out again only when no tensor, view or NumPy array
+made from its last chunk is alive (the storage's reference count says so), so a returned chunk
+is never overwritten behind its holder's back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+# The number of references a pooled storage has when only the pool holds it.
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _contiguous_strides(shape: torch.Size) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+class ChunkPool:
+    """Up to ``per_size`` storages per byte size on ``device``."""
+
+    def __init__(self, device: torch.device, per_size: int = 2) -> None:
+        self.device = device
+        self.per_size = per_size
+        self._storages: dict[int, list[torch.UntypedStorage]] = {}
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor, in reused memory where some is free."""
+        num_bytes = math.prod(shape) * dtype.itemsize
+        if not num_bytes or _use_count is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        storages = self._storages.setdefault(num_bytes, [])
+        storage = next((held for held in storages if _use_count(held._cdata) == 1), None)
+        if storage is None:
+            storage = torch.empty(num_bytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            if len(storages) < self.per_size:
+                storages.append(storage)
+        chunk = torch.empty(0, dtype=dtype, device=self.device)
+        return chunk.set_(storage, 0, shape, _contiguous_strides(shape))
+
+    def clear(self) -> None:
+        """Forget every pooled storage (the memory goes once no chunk holds it)."""
+        self._storages.clear()

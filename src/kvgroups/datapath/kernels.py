@@ -1,0 +1,109 @@
+"""Which kernel copies a bound transfer's groups: numba on the CPU, Triton on CUDA, torch anywhere.
+
+The default is the fastest kernel that can run on the caches' device: numba for CPU caches,
+Triton for CUDA caches, the torch path otherwise (and wherever the kernel's package is not
+importable). ``KVGROUPS_KERNEL=numba|triton|torch`` (or ``KVTransfer(..., kernel=)``) forces one
+for any device; a forced kernel that cannot run raises, it never falls back. Triton on CPU
+tensors runs only under its interpreter (``TRITON_INTERPRET=1``), which the tests use. A group
+whose tensors no address table can describe (layers of different strides, a state whose slots are
+not contiguous) is copied by the torch path, whatever the kernel; ``KVTransfer.kernels`` says
+which kernel serves each group.
+
+numba and Triton are imported here lazily, only when a kernel is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvgroups.datapath.address_tables import state_table, token_table
+from kvgroups.datapath.slots import CallSlots
+from kvgroups.datapath.torch_copy import StateCopier, TokenCopier
+from kvgroups.errors import KVGroupsError
+from kvgroups.layer_caches import Tensors
+from kvgroups.layouts import KVLayout
+
+KERNELS = ("numba", "triton", "torch")
+ENVIRONMENT_VARIABLE = "KVGROUPS_KERNEL"
+
+
+class Copier(Protocol):
+    """Moves one group's data between its caches and a chunk for one checked call."""
+
+    def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None: ...
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cannot_run(kernel: str, device: torch.device) -> str | None:
+    """Why ``kernel`` cannot copy caches on ``device``, or None when it can."""
+    if kernel == "numba":
+        if device.type != "cpu":
+            return f"the numba kernel copies CPU memory; these caches are on {device}"
+        if not _importable("numba"):
+            return "numba is not importable (pip install numba)"
+    if kernel == "triton":
+        if not _importable("triton"):
+            return "triton is not importable (CUDA builds of torch ship it; pip install triton)"
+        if device.type == "cpu" and not _triton_interpreted():
+            return "the Triton kernel runs on CPU tensors only under its interpreter: set TRITON_INTERPRET=1"
+        if device.type not in ("cpu", "cuda"):
+            return f"the Triton kernel copies CUDA memory; these caches are on {device}"
+    return None
+
+
+def choose_kernel(device: torch.device, requested: str | None = None) -> str:
+    """The kernel for caches on ``device``: ``requested``, else ``$KVGROUPS_KERNEL``, else the default."""
+    forced = requested or os.environ.get(ENVIRONMENT_VARIABLE) or None
+    if forced is not None:
+        if forced not in KERNELS:
+            raise KVGroupsError(
+                f"unknown kernel {forced!r} (from {'kernel=' if requested else ENVIRONMENT_VARIABLE}); "
+                f"expected one of {', '.join(KERNELS)}"
+            )
+        reason = _cannot_run(forced, device)
+        if reason is not None:
+            raise KVGroupsError(f"kernel {forced!r} was asked for but cannot run: {reason}")
+        return forced
+    preferred = {"cpu": "numba", "cuda": "triton"}.get(device.type, "torch")
+    return preferred if _cannot_run(preferred, device) is None else "torch"
+
+
+def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequence[Tensors],
+                 num_threads: int | None) -> tuple[str, Copier]:
+    """The copier of one token-indexed group, and the kernel it uses."""
+    table = None if kernel == "torch" else token_table(layout, layers)
+    if table is not None and kernel == "numba":
+        from kvgroups.datapath.numba_copy import NumbaTokenCopier  # noqa: PLC0415 - numba/triton load on use
+
+        return kernel, NumbaTokenCopier(table, block_size, num_threads)
+    if table is not None and kernel == "triton":
+        from kvgroups.datapath.triton_copy import TritonTokenCopier  # noqa: PLC0415 - numba/triton load on use
+
+        return kernel, TritonTokenCopier(table, block_size)
+    return "torch", TokenCopier(layout, block_size, layers)
+
+
+def state_copier(kernel: str, layers: Sequence[Tensors]) -> tuple[str, Copier]:
+    """The copier of one recurrent group, and the kernel it uses."""
+    table = None if kernel == "torch" else state_table(layers)
+    if table is not None and kernel == "numba":
+        from kvgroups.datapath.numba_copy import NumbaStateCopier  # noqa: PLC0415 - numba/triton load on use
+
+        return kernel, NumbaStateCopier(table)
+    if table is not None and kernel == "triton":
+        from kvgroups.datapath.triton_copy import TritonStateCopier  # noqa: PLC0415 - numba/triton load on use
+
+        return kernel, TritonStateCopier(table)
+    return "torch", StateCopier(layers)

@@ -1,0 +1,134 @@
+"""The CUDA kernel: the same address tables as the CPU kernel, copied by Triton programs.
+
+One program per (plane, layer) and token row (or per (layer, state) and state slot) loads the
+row's base address from the table, casts it to a pointer and copies the row in words of the
+widest integer type that divides every address, stride and size involved, so any dtype copies
+bit for bit. CUDA builds of torch ship Triton, so GPU users install nothing more. On CPU tensors
+the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests run
+them against the torch path.
+
+Importing this module imports triton; the data path does so only when the kernel is chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kvgroups.datapath.address_tables import StateTable, TokenTable
+from kvgroups.datapath.slots import CallSlots
+from kvgroups.errors import KVGroupsError
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.int8)
+_BLOCK = 256  # words one program copies per step
+
+
+def _word(*byte_quantities: int) -> torch.dtype:
+    for dtype in _WORDS:
+        if all(quantity % dtype.itemsize == 0 for quantity in byte_quantities):
+            return dtype
+    return torch.int8  # pragma: no cover - int8 divides everything
+
+
+@triton.jit
+def _copy_rows(bases, offsets, chunk, num_tokens, row_words, units, unit_words, unit_stride_words,
+               scatter: tl.constexpr, block: tl.constexpr) -> None:
+    plane = tl.program_id(0)
+    token = tl.program_id(1)
+    address = tl.load(bases + plane) + tl.load(offsets + token)
+    cache = address.to(tl.pointer_type(chunk.dtype.element_ty))
+    row = chunk + (plane * num_tokens + token) * row_words
+    for unit in range(units):
+        for start in range(0, unit_words, block):
+            index = start + tl.arange(0, block)
+            mask = index < unit_words
+            if scatter:
+                words = tl.load(row + unit * unit_words + index, mask=mask)
+                tl.store(cache + unit * unit_stride_words + index, words, mask=mask)
+            else:
+                words = tl.load(cache + unit * unit_stride_words + index, mask=mask)
+                tl.store(row + unit * unit_words + index, words, mask=mask)
+
+
+@triton.jit
+def _copy_states(bases, slot_strides, unit_words, columns, layers, indices, chunk, count, row_words,
+                 scatter: tl.constexpr, block: tl.constexpr) -> None:
+    entry = tl.program_id(0)
+    position = tl.program_id(1)
+    address = tl.load(bases + entry) + tl.load(indices + position) * tl.load(slot_strides + entry)
+    cache = address.to(tl.pointer_type(chunk.dtype.element_ty))
+    row = chunk + (tl.load(layers + entry) * count + position) * row_words + tl.load(columns + entry)
+    size = tl.load(unit_words + entry)
+    for start in range(0, size, block):
+        index = start + tl.arange(0, block)
+        mask = index < size
+        if scatter:
+            tl.store(cache + index, tl.load(row + index, mask=mask), mask=mask)
+        else:
+            tl.store(row + index, tl.load(cache + index, mask=mask), mask=mask)
+
+
+def _check_moved(table: TokenTable | StateTable) -> None:
+    if not table.still_valid():
+        raise KVGroupsError(
+            "a bound cache tensor was reallocated (resize_ or set_) after KVTransfer was built; bind again"
+        )
+
+
+def _chunk_words(chunk: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    return chunk.view(-1).view(torch.uint8).view(_word(word.itemsize, chunk.data_ptr()))
+
+
+class TritonTokenCopier:
+    """The copies of one token-indexed group through :func:`_copy_rows`."""
+
+    def __init__(self, table: TokenTable, block_size: int) -> None:
+        self.table = table
+        self.block_size = block_size
+        device = table.tensors[0].device
+        self.bases = table.bases.to(device)
+        self.word = _word(table.row_bytes, table.unit_bytes, table.unit_stride, table.block_stride,
+                          table.offset_stride, *(int(base) for base in table.bases.tolist()))
+
+    def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
+        if call.slots is None or not call.num_tokens:
+            return
+        table = self.table
+        _check_moved(table)
+        words = _chunk_words(chunk, self.word)
+        size = words.element_size()
+        blocks = torch.div(call.slots, self.block_size, rounding_mode="floor")
+        offsets = blocks * table.block_stride + (call.slots - blocks * self.block_size) * table.offset_stride
+        # Addresses and offsets are bytes; sizes and strides are words (each divides by the word size).
+        grid: Any = (table.num_planes * table.num_layers, call.num_tokens)
+        _copy_rows[grid](self.bases, offsets, words, call.num_tokens, table.row_bytes // size, table.units,
+                         table.unit_bytes // size, table.unit_stride // size, scatter=scatter, block=_BLOCK)
+
+
+class TritonStateCopier:
+    """The copies of one recurrent group through :func:`_copy_states`, by state slot."""
+
+    def __init__(self, table: StateTable) -> None:
+        self.table = table
+        device = table.tensors[0].device
+        self.word = _word(table.row_bytes, *table.bases.tolist(), *table.slot_strides.tolist(),
+                          *table.unit_bytes.tolist(), *table.columns.tolist())
+        self.bases = table.bases.to(device)
+        self.slot_strides = table.slot_strides.to(device)
+        self.unit_bytes = table.unit_bytes.to(device)
+        self.columns = table.columns.to(device)
+        self.layers = table.layers.to(device)
+
+    def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
+        if call.state_indices is None or not call.num_states:
+            return
+        _check_moved(self.table)
+        words = _chunk_words(chunk, self.word)
+        size = words.element_size()
+        grid: Any = (self.bases.shape[0], call.num_states)
+        _copy_states[grid](self.bases, self.slot_strides, self.unit_bytes // size, self.columns // size, self.layers,
+                           call.state_indices, words, call.num_states, self.table.row_bytes // size,
+                           scatter=scatter, block=_BLOCK)
