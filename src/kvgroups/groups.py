@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -106,12 +106,14 @@ class KVLayerGroupInfo:
         self, names: list[str], indices: list[int], shape: torch.Size, dtype: torch.dtype,
         layout: KVLayout, spec: LayerCacheSpec,
     ) -> None:
-        fields = self.__dict__
-        fields["_managers"] = fields["_geometry_cache"] = None
-        fields["_version"], fields["_sets"] = 0, (-1, set(), set())
-        fields["layer_names"] = TrackedList(names, self)
-        fields["layer_indices"] = TrackedList(indices, self)
-        fields.update(shape=shape, dtype=dtype, layout=layout, spec=spec)
+        # object.__setattr__, not self.__dict__: touching __dict__ would slow every later attribute read.
+        initial: dict[str, Any] = {
+            "_managers": None, "_geometry_cache": None, "_version": 0, "_sets": (-1, set(), set()),
+            "layer_names": TrackedList(names, self), "layer_indices": TrackedList(indices, self),
+            "shape": shape, "dtype": dtype, "layout": layout, "spec": spec,
+        }
+        for name, value in initial.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def _trusted(
@@ -142,7 +144,7 @@ class KVLayerGroupInfo:
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy is held by no manager yet (managers reindex their copies and register then).
-        return {**self.__dict__, "_managers": None}
+        return {**{item.name: getattr(self, item.name) for item in fields(self)}, "_managers": None}
 
     def __repr__(self) -> str:
         indices = compact_ranges(self.layer_indices)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ class KVLayerGroupsManager:
         if name == "kv_layer_groups":
             if not isinstance(value, list):
                 raise TypeError(f"kv_layer_groups must be a list, got {type(value).__name__}")
-            for check in self.__dict__.get("_checks", ()):
+            for check in getattr(self, "_checks", ()):
                 check(value)
             value = tracked(value, self)
             object.__setattr__(self, name, value)
@@ -58,7 +58,7 @@ class KVLayerGroupsManager:
         object.__setattr__(self, name, value)
 
     def _changed(self) -> None:
-        self.__dict__["_version"] = self.__dict__.get("_version", 0) + 1
+        object.__setattr__(self, "_version", getattr(self, "_version", 0) + 1)
 
     def add_check(self, check: Callable[[Sequence[KVLayerGroupInfo]], None]) -> None:
         """Run ``check`` on the current groups now and on every list of groups that replaces them."""
@@ -67,7 +67,7 @@ class KVLayerGroupsManager:
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy's groups are copies that know no manager: its first lookup reindexes and registers.
-        return {**self.__dict__, "_indexed_version": -1}
+        return {**{item.name: getattr(self, item.name) for item in fields(self)}, "_indexed_version": -1}
 
     @property
     def num_groups(self) -> int:
