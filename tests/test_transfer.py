@@ -497,3 +497,19 @@ def test_chunks_from_pack_are_never_reused_while_held(kernel: str) -> None:
     assert len({chunk.data_ptr() for chunk in held}) == 4
     for index, chunk in enumerate(held):
         assert torch.equal(chunk, reference.pack(torch.arange(index * 16, index * 16 + 16))[0])
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases(), st.data())
+def test_large_call_paths_of_the_numba_kernel_move_the_same_bytes(kernel: str, case: Case, data: st.DataObject) -> None:
+    """Streaming stores and threads start at a few MiB; with their thresholds at 0 tiny cases take them too."""
+    if kernel != "numba":
+        pytest.skip("numba's large-call paths")
+    from kvgroups.datapath import numba_copy
+
+    saved = numba_copy.PARALLEL_MIN_BYTES, numba_copy.STREAMING_MIN_BYTES
+    numba_copy.PARALLEL_MIN_BYTES = numba_copy.STREAMING_MIN_BYTES = 0
+    try:
+        test_the_kernel_moves_the_same_bytes_as_the_torch_path.hypothesis.inner_test(kernel, case, data)  # type: ignore[attr-defined]
+    finally:
+        numba_copy.PARALLEL_MIN_BYTES, numba_copy.STREAMING_MIN_BYTES = saved
