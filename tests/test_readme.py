@@ -27,7 +27,8 @@ def test_data_path_block_runs() -> None:
     block = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)[1]
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)
-    chunk, kv_caches = namespace["chunk"], namespace["kv_caches"]
+    chunk, kv_caches, transfer = namespace["chunk"], namespace["kv_caches"], namespace["transfer"]
     assert chunk.shape == (2, 4, 256, 1024) and chunk.dtype == torch.bfloat16  # type: ignore[attr-defined]
+    assert transfer.kernels in (["numba"], ["torch"])  # type: ignore[attr-defined]
     moved = kv_caches["layers.3"][:, 32:48].reshape(2, 256, 1024)  # type: ignore[index]
     assert torch.equal(moved, chunk[:, 3])  # type: ignore[index]
