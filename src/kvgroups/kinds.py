@@ -55,6 +55,13 @@ class LayerCacheSpec(Protocol):
         """Token slots one sequence of ``context_tokens`` occupies (0 for recurrent state)."""
         ...
 
+    def tokens_needed(self, boundary: int) -> tuple[int, int]:
+        """The token range ``[start, end)`` whose K/V a layer needs to continue after ``boundary`` tokens.
+
+        Empty for a recurrent layer (it needs its state at the boundary instead).
+        """
+        ...
+
     def bytes_per_token(self, slot_bytes: int) -> int:
         """What one more token of context costs a layer whose slot holds ``slot_bytes``."""
         ...
@@ -104,6 +111,9 @@ class _TokenCache:
     def bytes_per_sequence(self, slot_bytes: int) -> int:
         return 0
 
+    def tokens_needed(self, boundary: int) -> tuple[int, int]:
+        return 0, boundary
+
 
 @_registered
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +148,10 @@ class SlidingWindow(_TokenCache):
         # The window rarely starts on a block boundary, so one more block stays partly live.
         return min(context_tokens, round_up(self.window_tokens, block_size) + block_size)
 
+    def tokens_needed(self, boundary: int) -> tuple[int, int]:
+        # The next token sees at most the last window_tokens - 1; the whole window is a safe superset.
+        return max(0, boundary - self.window_tokens), boundary
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "window_tokens": self.window_tokens}
 
@@ -159,6 +173,10 @@ class ChunkedLocal(_TokenCache):
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return min(context_tokens, round_up(self.chunk_tokens, block_size))
+
+    def tokens_needed(self, boundary: int) -> tuple[int, int]:
+        # The next token attends within its own attention chunk only (none when one starts here).
+        return boundary - boundary % self.chunk_tokens, boundary
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "chunk_tokens": self.chunk_tokens}
@@ -231,6 +249,9 @@ class RecurrentState:
 
     def bytes_per_sequence(self, slot_bytes: int) -> int:
         return slot_bytes
+
+    def tokens_needed(self, boundary: int) -> tuple[int, int]:
+        return boundary, boundary
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "state_shapes": [list(s) for s in self.state_shapes]}

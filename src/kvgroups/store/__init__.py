@@ -1,1 +1,36 @@
-"""Stored KV chunks: prefix keys, byte stores (memory, disk, Valkey/Redis) and the chunk store."""
+"""Stored KV chunks: prefix keys, byte stores (memory, disk, Valkey/Redis, tiered) and the chunk store.
+
+``open_store(url)`` opens a byte store; ``KVChunkStore(metadata, store)`` keeps a model's chunks
+in it, per group, keyed by ``prefix_keys``.
+"""
+
+from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreStats
+from kvgroups.store.chunk_store import GroupPrefix, KVChunkStore, LoadedPrefix
+from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
+from kvgroups.store.files import FileStore
+from kvgroups.store.keys import chunk_namespace, prefix_keys
+from kvgroups.store.memory import MemoryStore
+from kvgroups.store.redis_store import RedisStore
+from kvgroups.store.tiered import TieredStore
+from kvgroups.store.urls import open_store
+
+__all__ = [
+    "ByteStore",
+    "CorruptEntryError",
+    "EntryInfo",
+    "EntryTooLargeError",
+    "FileStore",
+    "GroupPrefix",
+    "KVChunkStore",
+    "LoadedPrefix",
+    "MemoryStore",
+    "RedisStore",
+    "StoreError",
+    "StoreStats",
+    "TieredStore",
+    "chunk_namespace",
+    "decode_entry",
+    "encode_entry",
+    "open_store",
+    "prefix_keys",
+]

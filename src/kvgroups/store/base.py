@@ -1,0 +1,105 @@
+"""What every byte store offers: put/get/contains/delete of values by key, batch forms, listing.
+
+A byte store keeps opaque values (stored entries) under string keys. Failures of the medium (a
+server that is down, a disk that is full) raise :class:`StoreError`; a value the tier cannot take
+raises :class:`EntryTooLargeError`. The chunk store turns both into misses; it never lets them
+reach a request.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from kvgroups.errors import KVGroupsError
+
+
+class StoreError(OSError):
+    """A store could not be read or written (unreachable, full, refused); callers degrade to a miss."""
+
+
+class EntryTooLargeError(KVGroupsError):
+    """A value is larger than the tier accepts; the message says both sizes."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    entries: int
+    bytes: int
+
+
+class ByteStore(abc.ABC):
+    """Values by key. Thread-safe; the batch forms exist where a tier does them in one round trip."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put(self, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; whether it was there."""
+
+    @abc.abstractmethod
+    def iter_keys(self) -> Iterator[str]:
+        """Every key stored (for stats, verify and clear; not for the request path)."""
+
+    @abc.abstractmethod
+    def size_of(self, key: str) -> int | None:
+        """Bytes stored under ``key``, None when absent."""
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for key, value in items:
+            self.put(key, value)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(key) for key in keys]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains(key) for key in keys]
+
+    def get_prefix(self, key: str, num_bytes: int) -> bytes | None:
+        """The first ``num_bytes`` bytes of a value (an entry's header), None when absent."""
+        value = self.get(key)
+        return None if value is None else value[:num_bytes]
+
+    def stats(self) -> StoreStats:
+        sizes = [self.size_of(key) for key in self.iter_keys()]
+        present = [size for size in sizes if size is not None]
+        return StoreStats(entries=len(present), bytes=sum(present))
+
+    def clear(self) -> int:
+        """Delete every entry of this store (only kvgroups' own); how many went."""
+        return sum(self.delete(key) for key in list(self.iter_keys()))
+
+    def close(self) -> None:  # noqa: B027 - tiers without a connection have nothing to close
+        """Release connections and files."""
+
+    def __enter__(self) -> ByteStore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def check_value(key: object, value: object) -> bytes:
+    """``value`` as bytes, for a ``put`` of ``key``; raises TypeError for anything else."""
+    if not isinstance(key, str):
+        raise TypeError(f"store keys are str, got {type(key).__name__}")
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)  # a copy: the caller may change its buffer afterwards
+    raise TypeError(f"store values are bytes, got {type(value).__name__} for key {key!r}")

@@ -1,0 +1,301 @@
+"""``KVChunkStore``: chunks of every group saved per (chunk, group), and prefixes found and loaded whole.
+
+Each group is asked only for what it keeps (its spec's ``tokens_needed``): a full-attention or
+MLA group needs every chunk before a boundary, a sliding-window group only the chunks overlapping
+its window, a chunked-local group only the current attention chunk, a recurrent group only its
+state at the boundary (saved with the chunk that ends there). ``lookup`` returns the longest
+boundary at which every group has all of that; ``load`` reads exactly it and checks every entry
+(key, fingerprint, group, chunk, dtype, shape, checksum). A store that is down, full or corrupt
+costs misses, logged, never an exception in the request and never another request's KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+
+from kvgroups.errors import KVGroupsError
+from kvgroups.groups import KVLayerGroupInfo
+from kvgroups.metadata import LMCacheMetadata
+from kvgroups.sizes import ceil_div
+from kvgroups.store.base import ByteStore
+from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
+from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, token_array
+from kvgroups.store.urls import StoreArg, open_store
+from kvgroups.store.writer import BackgroundWriter
+
+logger = logging.getLogger(__name__)
+
+# A stored prefix is retried at most this many times, each at a shorter boundary, when entries fail to load.
+_LOAD_ATTEMPTS = 4
+_WARNING_INTERVAL_SECONDS = 10.0
+# After a store fails, it is left alone this long: requests get misses at once instead of timeouts.
+RETRY_AFTER_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class GroupPrefix:
+    """One group's part of a loaded prefix.
+
+    Token groups: ``tensor`` is ``[kv_size, num_layers, tokens, hidden_dim_size]`` holding tokens
+    ``first_token ..`` up to the boundary (all of them for full attention, the window for sliding
+    layers). Recurrent groups: ``[1, num_layers, 1, state_elements]``, the state at the boundary.
+    """
+
+    group_index: int
+    first_token: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    """What ``load`` found: the first ``num_tokens`` tokens' caches, one part per group (none for 0)."""
+
+    num_tokens: int
+    groups: tuple[GroupPrefix, ...] = ()
+
+
+@dataclass
+class ChunkStoreStats:
+    lookups: int = 0
+    hit_tokens: int = 0
+    saved_chunks: int = 0
+    dropped_saves: int = 0
+    failed_reads: int = 0
+    corrupt_entries: int = 0
+    bytes_read: list[int] = field(default_factory=list)  # per group
+
+
+class KVChunkStore:
+    """Chunks of the groups of ``metadata``, keyed by prefix, in ``store`` (URL(s) or a byte store)."""
+
+    def __init__(self, metadata: LMCacheMetadata, store: StoreArg, *, chunk_size: int = 256,
+                 salt: str | bytes = "", max_pending: int = 64, save_wait_seconds: float = 10.0) -> None:
+        if not isinstance(metadata, LMCacheMetadata):
+            raise TypeError(f"metadata must be an LMCacheMetadata, got {type(metadata).__name__}")
+        groups = list(metadata.kv_layer_groups_manager.kv_layer_groups)
+        if not groups:
+            raise KVGroupsError("metadata has no layer groups; build them (build_kv_layer_groups) first")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise KVGroupsError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        self.groups: list[KVLayerGroupInfo] = groups
+        self.chunk_size = chunk_size
+        self.fingerprint = metadata.fingerprint()
+        self.namespace = chunk_namespace(metadata, chunk_size, salt)
+        self._owns_store = not isinstance(store, ByteStore)
+        self.store = open_store(store)
+        self.stats = ChunkStoreStats(bytes_read=[0] * len(groups))
+        self._writer = BackgroundWriter(max_pending, save_wait_seconds)
+        self._last_warning: dict[str, float] = {}
+        self._failed_at = -RETRY_AFTER_SECONDS
+
+    # --- keys and needs -------------------------------------------------------------------
+    def keys(self, token_ids: TokenIds) -> list[str]:
+        """One prefix key per full chunk of ``token_ids``."""
+        return prefix_keys(token_ids, self.chunk_size, self.namespace)
+
+    @staticmethod
+    def entry_key(prefix_key: str, group_index: int) -> str:
+        return f"{prefix_key}.g{group_index}"
+
+    def needed_chunks(self, group_index: int, num_chunks: int) -> range:
+        """The chunks group ``group_index`` needs to continue after ``num_chunks`` full chunks."""
+        spec = self.groups[group_index].spec
+        if not spec.token_indexed:
+            return range(num_chunks - 1, num_chunks)  # the state saved with the chunk ending there
+        start, end = spec.tokens_needed(num_chunks * self.chunk_size)
+        return range(start // self.chunk_size, ceil_div(end, self.chunk_size)) if start < end else range(0)
+
+    def _info(self, key: str, group_index: int, chunk_index: int) -> EntryInfo:
+        group = self.groups[group_index]
+        return EntryInfo(
+            key=self.entry_key(key, group_index), fingerprint=self.fingerprint, group_index=group_index,
+            chunk_index=chunk_index, dtype=group.dtype, shape=tuple(group.chunk_shape(self.chunk_size)),
+        )
+
+    def _available(self) -> bool:
+        """False for a while after the store failed (see :data:`RETRY_AFTER_SECONDS`)."""
+        return time.monotonic() - self._failed_at >= RETRY_AFTER_SECONDS
+
+    def _failed(self, kind: str, error: OSError) -> None:
+        self._failed_at = time.monotonic()
+        self.stats.failed_reads += kind != "save"
+        self._warn(kind, "chunk store %s: %s failed, treating it as a miss for %.0f s: %s", self.store.url, kind,
+                   RETRY_AFTER_SECONDS, error)
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_warning.get(kind, -_WARNING_INTERVAL_SECONDS) >= _WARNING_INTERVAL_SECONDS:
+            self._last_warning[kind] = now
+            logger.warning(message, *args)
+
+    # --- save -----------------------------------------------------------------------------
+    def save(self, token_ids: TokenIds, chunk_index: int, tensors: Sequence[torch.Tensor], *,
+             keys: Sequence[str] | None = None) -> None:
+        """Save chunk ``chunk_index`` of ``token_ids``: one tensor per group, in the background.
+
+        Token groups give the chunk's tokens as ``pack`` returns them (``[kv_size, num_layers,
+        chunk_size, hidden_dim_size]``); recurrent groups their state *after* the chunk (``[1,
+        num_layers, 1, state_elements]``). The tensors are written later: do not modify them
+        afterwards (chunks from ``KVTransfer.pack`` without ``out=`` are safe). ``keys``, from
+        :meth:`keys` of the same tokens, saves hashing them again. Wrong shapes raise; a store
+        that fails is logged.
+        """
+        if keys is None:
+            keys = self.keys(token_array(token_ids)[: (chunk_index + 1) * self.chunk_size])
+        if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or not 0 <= chunk_index < len(keys):
+            raise KVGroupsError(f"chunk_index {chunk_index!r} is not a full chunk of these {len(keys)} chunk(s) of "
+                                f"{self.chunk_size} tokens")
+        tensors = list(tensors)
+        if len(tensors) != len(self.groups):
+            raise KVGroupsError(f"save got {len(tensors)} tensors for {len(self.groups)} groups; pass one per group")
+        infos = [self._info(keys[chunk_index], index, chunk_index) for index in range(len(self.groups))]
+        for info, tensor in zip(infos, tensors, strict=True):
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
+                shown = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
+                raise KVGroupsError(f"tensor for group {info.group_index} is {shown}; the group stores "
+                                    f"{info.dtype} {list(info.shape)} per chunk")
+
+        if not self._available():
+            self.stats.dropped_saves += 1
+            return
+
+        def write() -> None:
+            values = [(info.key, encode_entry(tensor, info)) for info, tensor in zip(infos, tensors, strict=True)]
+            try:
+                self.store.put_many(values)
+            except OSError as error:
+                self._failed("save", error)
+                raise
+            self.stats.saved_chunks += 1
+
+        if not self._writer.submit(write):
+            self.stats.dropped_saves += 1
+
+    def flush(self) -> None:
+        """Wait until every save so far is written (or has failed and been logged)."""
+        self._writer.flush()
+
+    # --- lookup and load ------------------------------------------------------------------
+    def lookup(self, token_ids: TokenIds) -> int:
+        """The longest stored prefix of ``token_ids`` (a multiple of chunk_size) that every group can serve."""
+        keys = self.keys(token_ids)
+        self.stats.lookups += 1
+        if not keys:
+            return 0
+        groups = range(len(self.groups))
+        if not self._available():
+            return 0
+        try:
+            present = self.store.contains_many([self.entry_key(key, group) for group in groups for key in keys])
+        except OSError as error:
+            self._failed("lookup", error)
+            return 0
+        # counts[g][i]: entries of group g present among chunks [0, i).
+        counts = []
+        for group in groups:
+            row = [0]
+            for found in present[group * len(keys):(group + 1) * len(keys)]:
+                row.append(row[-1] + found)
+            counts.append(row)
+
+        def servable(num_chunks: int) -> bool:
+            for group in groups:
+                needed = self.needed_chunks(group, num_chunks)
+                if counts[group][needed.stop] - counts[group][needed.start] != len(needed):
+                    return False
+            return True
+
+        for num_chunks in range(len(keys), 0, -1):
+            if servable(num_chunks):
+                self.stats.hit_tokens += num_chunks * self.chunk_size
+                return num_chunks * self.chunk_size
+        return 0
+
+    def load(self, token_ids: TokenIds, num_tokens: int) -> LoadedPrefix:
+        """Read what every group needs to continue after ``num_tokens`` (a boundary ``lookup`` returned).
+
+        Returns fewer tokens (down to 0) when entries turn out missing or corrupt: those are
+        deleted and a shorter stored boundary is tried, so the result is always whole and exact.
+        """
+        tokens = token_array(token_ids)
+        if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0
+                or num_tokens % self.chunk_size or num_tokens > len(tokens)):
+            raise KVGroupsError(f"num_tokens {num_tokens!r} must be a multiple of chunk_size {self.chunk_size} "
+                                f"within the {len(tokens)} tokens given")
+        keys = self.keys(tokens[:num_tokens])
+        for _ in range(_LOAD_ATTEMPTS):
+            if not keys:
+                return LoadedPrefix(num_tokens=0)
+            loaded = self._read(keys)
+            if loaded is not None:
+                return loaded
+            shorter = self.lookup(tokens[: (len(keys) - 1) * self.chunk_size])
+            keys = keys[: shorter // self.chunk_size]
+        return LoadedPrefix(num_tokens=0)
+
+    def _read(self, keys: list[str]) -> LoadedPrefix | None:
+        """Every group's needed entries at boundary ``len(keys)``, or None when one is missing or bad."""
+        num_chunks = len(keys)
+        wanted = [
+            self._info(keys[chunk], group, chunk)
+            for group in range(len(self.groups)) for chunk in self.needed_chunks(group, num_chunks)
+        ]
+        if not self._available():
+            return LoadedPrefix(num_tokens=0)
+        try:
+            values = self.store.get_many([info.key for info in wanted])
+        except OSError as error:
+            self._failed("load", error)
+            return LoadedPrefix(num_tokens=0)
+        tensors: dict[tuple[int, int], torch.Tensor] = {}
+        whole = True
+        for info, value in zip(wanted, values, strict=True):
+            if value is None:
+                whole = False
+                continue
+            try:
+                tensors[info.group_index, info.chunk_index] = decode_entry(value, info)
+                self.stats.bytes_read[info.group_index] += len(value)
+            except CorruptEntryError as error:
+                whole = False
+                self.stats.corrupt_entries += 1
+                logger.warning("chunk store %s: entry %s is corrupt, deleting it: %s", self.store.url, info.key, error)
+                # If the delete fails it stays unusable all the same: every read checks it again.
+                with contextlib.suppress(OSError):
+                    self.store.delete(info.key)
+        if not whole:
+            return None
+        parts = []
+        for group in range(len(self.groups)):
+            needed = self.needed_chunks(group, num_chunks)
+            if not self.groups[group].token_indexed:
+                parts.append(GroupPrefix(group, num_chunks * self.chunk_size, tensors[group, needed.start]))
+                continue
+            chunks = [tensors[group, chunk] for chunk in needed]
+            tensor = (torch.cat(chunks, dim=2) if chunks else
+                      torch.empty(self.groups[group].chunk_shape(0), dtype=self.groups[group].dtype))
+            first = needed.start * self.chunk_size if chunks else num_chunks * self.chunk_size
+            parts.append(GroupPrefix(group, first, tensor))
+        return LoadedPrefix(num_tokens=num_chunks * self.chunk_size, groups=tuple(parts))
+
+    # --- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Write what is queued, stop the writer, and close the store when this object opened it."""
+        self._writer.flush()
+        self._writer.close()
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> KVChunkStore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""Prefix keys: one stable key per full chunk of tokens, chained so that a key names its whole prefix.
+
+``key_i = SHA-256(key_{i-1} || tokens of chunk i)``, the tokens as fixed-width little-endian
+unsigned 32-bit integers, starting from a digest of the namespace. The namespace binds a key to
+everything that makes stored KV bytes interchangeable (:func:`chunk_namespace`), so the same
+tokens give the same keys in every process and on every machine, and different models, ranks,
+chunk sizes or tenants never share one. Nothing here uses Python's ``hash()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvgroups.errors import KVGroupsError
+from kvgroups.metadata import LMCacheMetadata
+
+# Bump when what a key covers changes, so keys of different meaning never collide.
+KEY_FORMAT = "kvgroups.prefix-keys/1"
+_TOKEN_LIMIT = 1 << 32
+
+TokenIds = Sequence[int] | torch.Tensor | np.ndarray
+
+
+def chunk_namespace(metadata: LMCacheMetadata, chunk_size: int, salt: str | bytes = "") -> bytes:
+    """The namespace of chunks stored for ``metadata`` in chunks of ``chunk_size`` tokens, for tenant ``salt``."""
+    if isinstance(salt, str):
+        salt = salt.encode("utf-8")
+    if not isinstance(salt, bytes):
+        raise TypeError(f"salt must be a str or bytes, got {type(salt).__name__}")
+    described = {
+        "format": KEY_FORMAT, "fingerprint": metadata.fingerprint(), "chunk_size": chunk_size, "salt": salt.hex(),
+    }
+    return json.dumps(described, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def token_array(token_ids: TokenIds) -> np.ndarray:
+    """``token_ids`` as a 1-D array of little-endian uint32, checked."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+            raise TypeError(f"token_ids must be a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
+        values = token_ids.detach().cpu().numpy()
+    else:
+        values = np.asarray(token_ids)
+        if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+            raise TypeError(f"token_ids must be a 1-D sequence of ints, got {values.dtype} of shape "
+                            f"{list(values.shape)}")
+    if values.size and (int(values.min()) < 0 or int(values.max()) >= _TOKEN_LIMIT):
+        bad = values[(values < 0) | (values >= _TOKEN_LIMIT)][:5].tolist()
+        raise KVGroupsError(f"token ids must be in [0, 2**32); got {bad}")
+    return values.astype("<u4", copy=False)
+
+
+def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes) -> list[str]:
+    """One hex key per full chunk of ``chunk_size`` tokens; a partial trailing chunk has none."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise KVGroupsError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if isinstance(namespace, str):
+        namespace = namespace.encode("utf-8")
+    if not isinstance(namespace, bytes):
+        raise TypeError(f"namespace must be a str or bytes, got {type(namespace).__name__}")
+    tokens = token_array(token_ids).tobytes()
+    chunk_bytes = chunk_size * 4
+    digest = hashlib.sha256(b"kvgroups-prefix-root\0" + namespace).digest()
+    keys = []
+    for start in range(0, len(tokens) - chunk_bytes + 1, chunk_bytes):
+        digest = hashlib.sha256(digest + tokens[start:start + chunk_bytes]).digest()
+        keys.append(digest.hex())
+    return keys

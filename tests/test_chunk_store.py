@@ -1,0 +1,291 @@
+"""KVChunkStore: each group asked only for what it keeps; lookup never promises more than load serves,
+load returns exactly what was saved; other fingerprints and salts never hit; failures cost misses."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvgroups import (
+    ChunkedLocal,
+    FullAttention,
+    KVGroupsError,
+    LayerCacheSpec,
+    LMCacheMetadata,
+    RecurrentState,
+    SlidingWindow,
+)
+from kvgroups.store import KVChunkStore, MemoryStore, open_store
+from kvgroups.store import chunk_store as chunk_store_module
+from tests.helpers import meta
+from tests.servers import running_server
+
+KINDS = ("full", "sliding", "chunked", "mla", "recurrent")
+
+
+def build_metadata(kinds: list[tuple[str, int]], *, model_name: str = "m", num_kv_heads: int = 2) -> LMCacheMetadata:
+    """One layer per entry: (kind, window or attention-chunk tokens)."""
+    caches: dict[str, Any] = {}
+    specs: dict[str, LayerCacheSpec] = {}
+    for index, (kind, tokens) in enumerate(kinds):
+        name = f"layers.{index}"
+        if kind == "mla":
+            caches[name] = meta(8, 16, 12)
+        elif kind == "recurrent":
+            caches[name] = (meta(4, 3, 2), meta(4, 2, 2, 2))
+            specs[name] = RecurrentState(state_shapes=((3, 2), (2, 2, 2)))
+        else:
+            caches[name] = meta(2, 8, 16, num_kv_heads, 4)
+            if kind == "sliding":
+                specs[name] = SlidingWindow(window_tokens=tokens)
+            elif kind == "chunked":
+                specs[name] = ChunkedLocal(chunk_tokens=tokens)
+            else:
+                specs[name] = FullAttention()
+    use_mla = any(kind == "mla" for kind, _ in kinds)
+    metadata = LMCacheMetadata(model_name, 1, 1, 0, 0, torch.bfloat16, (len(kinds), 1 if use_mla else 2, 256,
+                                                                        1 if use_mla else num_kv_heads, 4),
+                               use_mla=use_mla)
+    metadata.kv_layer_groups_manager.build_kv_layer_groups(caches, specs)
+    return metadata
+
+
+def chunk_tensors(store: KVChunkStore, tokens: list[int], chunk_index: int) -> list[torch.Tensor]:
+    """Per-group tensors whose values say which prefix and chunk they belong to."""
+    generator = torch.Generator().manual_seed(hash((tuple(tokens[: (chunk_index + 1) * store.chunk_size]),)) % 2**31)
+    return [torch.randn(group.chunk_shape(store.chunk_size), generator=generator).to(group.dtype)
+            for group in store.groups]
+
+
+@dataclass
+class Scenario:
+    kinds: list[tuple[str, int]]
+    chunk_size: int
+    tokens: list[int]
+    saved: list[int]  # chunk indices saved
+    evicted: list[tuple[int, int]]  # (group, chunk) entries deleted afterwards
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    chunk_size = draw(st.sampled_from([4, 8, 16]))
+    kinds = draw(st.lists(
+        st.tuples(st.sampled_from(KINDS), st.sampled_from([4, 8, 12, 20, 33])), min_size=1, max_size=4,
+    ))
+    if any(kind == "mla" for kind, _ in kinds):
+        kinds = [(kind, tokens) for kind, tokens in kinds if kind in ("mla", "recurrent")] or [("mla", 0)]
+    length = draw(st.integers(0, 10 * chunk_size))
+    tokens = draw(st.lists(st.integers(0, 50), min_size=length, max_size=length))
+    full = length // chunk_size
+    saved = sorted(draw(st.sets(st.integers(0, max(full - 1, 0)), max_size=full))) if full else []
+    evicted = draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, max(full - 1, 0))), max_size=4))
+    return Scenario(kinds, chunk_size, tokens, saved, evicted)
+
+
+def expected_boundary(store: KVChunkStore, available: set[tuple[int, int]], num_full: int) -> int:
+    """The longest boundary every group can serve, by brute force over what is stored."""
+    for boundary in range(num_full, 0, -1):
+        if all(all((group, chunk) in available for chunk in store.needed_chunks(group, boundary))
+               for group in range(len(store.groups))):
+            return boundary * store.chunk_size
+    return 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_lookup_never_promises_more_than_load_serves_and_load_is_exact(scenario: Scenario) -> None:
+    metadata = build_metadata(scenario.kinds)
+    with KVChunkStore(metadata, MemoryStore(), chunk_size=scenario.chunk_size) as store:
+        keys = store.keys(scenario.tokens)
+        saved: dict[int, list[torch.Tensor]] = {}
+        for chunk in scenario.saved:
+            saved[chunk] = chunk_tensors(store, scenario.tokens, chunk)
+            store.save(scenario.tokens, chunk, saved[chunk], keys=keys)
+        store.flush()
+        available = {(group, chunk) for chunk in saved for group in range(len(store.groups))}
+        for group, chunk in scenario.evicted:
+            if group < len(store.groups) and chunk < len(keys):
+                store.store.delete(store.entry_key(keys[chunk], group))
+                available.discard((group, chunk))
+        boundary = store.lookup(scenario.tokens)
+        assert boundary == expected_boundary(store, available, len(keys))
+        loaded = store.load(scenario.tokens, boundary)
+        assert loaded.num_tokens == boundary
+        if not boundary:
+            assert loaded.groups == ()
+            return
+        num_chunks = boundary // store.chunk_size
+        for part in loaded.groups:
+            needed = store.needed_chunks(part.group_index, num_chunks)
+            group = store.groups[part.group_index]
+            if not group.token_indexed:
+                assert part.first_token == boundary
+                assert torch.equal(part.tensor, saved[num_chunks - 1][part.group_index])
+                continue
+            assert part.first_token == (needed.start * store.chunk_size if len(needed) else boundary)
+            expected = [saved[chunk][part.group_index] for chunk in needed]
+            want = torch.cat(expected, dim=2) if expected else torch.empty(group.chunk_shape(0), dtype=group.dtype)
+            assert part.tensor.shape == want.shape and torch.equal(part.tensor, want)
+
+
+def test_each_kind_asks_only_for_what_it_keeps() -> None:
+    metadata = build_metadata([("full", 0), ("sliding", 20), ("chunked", 24), ("recurrent", 0)])
+    with KVChunkStore(metadata, MemoryStore(), chunk_size=8) as store:
+        full, sliding, chunked, recurrent = range(4)
+        assert store.needed_chunks(full, 6) == range(0, 6)
+        assert store.needed_chunks(sliding, 6) == range(3, 6)  # tokens 28..47 lie in chunks 3..5
+        assert store.needed_chunks(sliding, 2) == range(0, 2)
+        assert store.needed_chunks(chunked, 6) == range(6, 6)  # an attention chunk starts at token 48
+        assert store.needed_chunks(chunked, 4) == range(3, 4)  # tokens 24..31
+        assert store.needed_chunks(recurrent, 6) == range(5, 6)  # the state saved with chunk 5
+
+
+def test_a_missing_recurrent_state_is_never_reported_as_a_hit() -> None:
+    metadata = build_metadata([("full", 0), ("recurrent", 0)])
+    tokens = list(range(40))
+    with KVChunkStore(metadata, MemoryStore(), chunk_size=8) as store:
+        keys = store.keys(tokens)
+        for chunk in range(5):
+            store.save(tokens, chunk, chunk_tensors(store, tokens, chunk), keys=keys)
+        store.flush()
+        assert store.lookup(tokens) == 40
+        store.store.delete(store.entry_key(keys[4], 1))  # the state after chunk 4
+        assert store.lookup(tokens) == 32  # the K/V of chunk 4 are there, its state is not
+        store.store.delete(store.entry_key(keys[2], 0))
+        assert store.lookup(tokens) == 16
+
+
+def test_sliding_groups_read_only_their_window() -> None:
+    """Gemma-3-like: 5 sliding (1024) layers per full layer, 256-token chunks, a 64k-token prefix."""
+    kinds = [("sliding", 1024)] * 5 + [("full", 0)]
+    metadata = build_metadata(kinds, num_kv_heads=1)
+    tokens = [index % 1000 for index in range(65536)]
+    with KVChunkStore(metadata, MemoryStore(max_bytes=1 << 30), chunk_size=256) as store:
+        keys = store.keys(tokens)
+        shapes = [group.chunk_shape(256) for group in store.groups]
+        for chunk in range(len(keys)):
+            store.save(tokens, chunk, [torch.zeros(shape, dtype=torch.bfloat16) for shape in shapes], keys=keys)
+        store.flush()
+        assert store.lookup(tokens) == 65536
+        loaded = store.load(tokens, 65536)
+        sliding, full = store.groups[0], store.groups[1]
+        assert sliding.spec == SlidingWindow(window_tokens=1024) and full.num_layers == 1
+        parts = {part.group_index: part for part in loaded.groups}
+        assert parts[0].first_token == 65536 - 1024 and parts[0].tensor.shape[2] == 1024
+        assert parts[1].first_token == 0 and parts[1].tensor.shape[2] == 65536
+        read = store.stats.bytes_read
+
+        def stored(group: int, chunks: range) -> int:
+            return sum(store.store.size_of(store.entry_key(keys[chunk], group)) or 0 for chunk in chunks)
+
+        assert read[0] == stored(0, range(252, 256))  # the window: 4 of 256 chunks
+        assert read[1] == stored(1, range(256))  # full attention: every chunk
+        every_chunk = stored(0, range(256)) + stored(1, range(256))
+        assert read[0] * 60 < stored(0, range(256)) and sum(read) < 0.2 * every_chunk
+
+
+def saved_store(metadata: LMCacheMetadata, store: Any, tokens: list[int], *, salt: str = "",
+                chunk_size: int = 8) -> KVChunkStore:
+    chunk_store = KVChunkStore(metadata, store, chunk_size=chunk_size, salt=salt)
+    keys = chunk_store.keys(tokens)
+    for chunk in range(len(keys)):
+        chunk_store.save(tokens, chunk, chunk_tensors(chunk_store, tokens, chunk), keys=keys)
+    chunk_store.flush()
+    return chunk_store
+
+
+def test_another_fingerprint_or_salt_never_hits() -> None:
+    tokens = list(range(32))
+    shared = MemoryStore()
+    saved_store(build_metadata([("full", 0)]), shared, tokens, salt="tenant-a")
+    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=8, salt="tenant-a").lookup(tokens) == 32
+    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=8, salt="tenant-b").lookup(tokens) == 0
+    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=8).lookup(tokens) == 0
+    other_heads = build_metadata([("full", 0)], num_kv_heads=4)
+    assert KVChunkStore(other_heads, shared, chunk_size=8, salt="tenant-a").lookup(tokens) == 0
+    other_model = build_metadata([("full", 0)], model_name="other")
+    assert KVChunkStore(other_model, shared, chunk_size=8, salt="tenant-a").lookup(tokens) == 0
+    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=16, salt="tenant-a").lookup(tokens) == 0
+
+
+def test_a_value_under_the_wrong_key_is_never_served(caplog: pytest.LogCaptureFixture) -> None:
+    tokens_a, tokens_b = list(range(16)), list(range(100, 116))
+    shared = MemoryStore()
+    store = saved_store(build_metadata([("full", 0)]), shared, tokens_a)
+    saved_store(build_metadata([("full", 0)]), shared, tokens_b)
+    key_a, key_b = store.entry_key(store.keys(tokens_a)[1], 0), store.entry_key(store.keys(tokens_b)[1], 0)
+    shared.put(key_a, shared.get(key_b) or b"")  # a store that mixed up two requests' values
+    assert store.lookup(tokens_a) == 16  # present as far as the store can tell...
+    with caplog.at_level(logging.WARNING):
+        loaded = store.load(tokens_a, 16)
+    assert loaded.num_tokens == 8  # ...but the wrong value is refused, and the shorter prefix served
+    assert "is corrupt" in caplog.text and "key" in caplog.text
+    assert torch.equal(loaded.groups[0].tensor, chunk_tensors(store, tokens_a, 0)[0])
+    assert not shared.contains(key_a)
+
+
+def test_a_server_stopped_mid_run_costs_misses_not_exceptions(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = list(range(64))
+    metadata = build_metadata([("full", 0), ("sliding", 16)])
+    with running_server(tmp_path / "first") as server:
+        store = saved_store(metadata, server.url, tokens)
+        assert store.lookup(tokens) == 64
+        assert store.load(tokens, 64).num_tokens == 64
+        server.stop()
+        with caplog.at_level(logging.WARNING):
+            assert store.lookup(tokens) == 0
+            assert store.load(tokens, 64).num_tokens == 0
+            store.save(tokens, 0, chunk_tensors(store, tokens, 0))
+            store.flush()
+        assert "lookup failed" in caplog.text
+        # After one failure the store is left alone for a while: no request waits for its timeouts.
+        assert store.stats.failed_reads == 1 and store.stats.dropped_saves == 1
+    monkeypatch.setattr(chunk_store_module, "RETRY_AFTER_SECONDS", 0.0)
+    with running_server(tmp_path / "again", port=server.port) as restarted:
+        assert restarted.url == server.url
+        assert store.lookup(tokens) == 0  # back, empty: a miss, then new saves land
+        store.save(tokens, 0, chunk_tensors(store, tokens, 0))
+        store.flush()
+        assert store.lookup(tokens) == 8
+    store.close()
+
+
+def test_bad_input_raises_at_once() -> None:
+    metadata = build_metadata([("full", 0), ("recurrent", 0)])
+    with KVChunkStore(metadata, MemoryStore(), chunk_size=8) as store:
+        tokens = list(range(20))
+        good = chunk_tensors(store, tokens, 0)
+        with pytest.raises(KVGroupsError, match=r"chunk_index 2 is not a full chunk of these 2 chunk"):
+            store.save(tokens, 2, good)
+        with pytest.raises(KVGroupsError, match=r"save got 1 tensors for 2 groups"):
+            store.save(tokens, 0, good[:1])
+        with pytest.raises(KVGroupsError, match=r"tensor for group 1 is torch.float32 \[1, 1, 1, 14\]; the group "
+                                                r"stores torch.bfloat16 \[1, 1, 1, 14\]"):
+            store.save(tokens, 0, [good[0], good[1].float()])
+        with pytest.raises(KVGroupsError, match=r"num_tokens 12 must be a multiple of chunk_size 8"):
+            store.load(tokens, 12)
+    with pytest.raises(KVGroupsError, match=r"metadata has no layer groups"):
+        KVChunkStore(LMCacheMetadata("m", 1, 1, 0, 0, torch.bfloat16, (1, 2, 256, 2, 4)), MemoryStore())
+    with pytest.raises(KVGroupsError, match=r"unknown scheme"):
+        KVChunkStore(metadata, "s3://bucket")
+
+
+def test_mla_and_multi_tier_round_trip(tmp_path: Path) -> None:
+    metadata = build_metadata([("mla", 0), ("mla", 0)])
+    tokens = list(range(24))
+    store = saved_store(metadata, ["memory://", f"file://{tmp_path}/kv"], tokens)
+    assert store.lookup(tokens) == 24
+    on_disk_only = KVChunkStore(metadata, open_store(f"file://{tmp_path}/kv"), chunk_size=8)
+    loaded = on_disk_only.load(tokens, on_disk_only.lookup(tokens))
+    assert loaded.num_tokens == 24 and loaded.groups[0].tensor.shape == (1, 2, 24, 12)
+    expected = torch.cat([chunk_tensors(store, tokens, chunk)[0] for chunk in range(3)], dim=2)
+    assert torch.equal(loaded.groups[0].tensor, expected)
+    store.close()
