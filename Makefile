@@ -13,13 +13,20 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps lmcache==0.4.1
 	touch $@
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench redis-server
 setup: $(VENV)/.installed
+
+# The Redis tier is tested against a real server: Debian's redis-server package (a maintained
+# build of a current Redis, one apt-get on the Debian machines this project runs on; Valkey is
+# used instead when it is installed).
+redis-server:
+	@command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
 
 demo: $(VENV)/.installed
 	$(BIN)/kvgroups inspect qwen3-next-80b-a3b-thinking --tp 2 --memory 8 --tokens 131072 --seqs 8
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed redis-server
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest
