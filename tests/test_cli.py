@@ -114,6 +114,11 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["inspect", "llama-3.1-8b", "--kv-dtype", "int4"], "argument --kv-dtype: invalid choice"),
         (["inspect"], "the following arguments are required: model"),
         (["frobnicate"], "invalid choice"),
+        (["store", "stats", "s3://bucket/kv"], "unknown scheme 's3'"),
+        (["store", "verify", "memory://?max_bytes=lots"], "max_bytes='lots' is not a size"),
+        (["store", "clear", "redis://127.0.0.1:1/0?timeout=0.2"], "cannot SCAN"),
+        (["store", "stats", f"file://{tmp}/bad.json"], "cannot open the file store"),
+        (["store"], "the following arguments are required"),
     ]
 
 

@@ -1,4 +1,4 @@
-"""The ``kvgroups`` command: ``inspect`` a model's KV cache, list ``presets``.
+"""The ``kvgroups`` command: ``inspect`` a model's KV cache, list ``presets``, look into a ``store``.
 
 Strings become enums and dtypes here and nowhere else. Any bad input ends as one line on stderr
 and exit code 2.
@@ -20,6 +20,7 @@ from rich.console import Console
 
 from kvgroups.cli.render import render_inspect, render_presets
 from kvgroups.cli.report import inspect_model
+from kvgroups.cli.store_command import add_store_commands
 from kvgroups.dtypes import ALIASES, KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
 from kvgroups.layouts import KVLayout
 from kvgroups.models.configs import model_spec_from_config
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON (keys documented in README)")
     presets = commands.add_parser("presets", help="list the bundled model configs")
     presets.add_argument("--json", action="store_true", help="print JSON")
+    add_store_commands(commands, _Parser)
     return parser
 
 
@@ -146,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("kvgroups").setLevel(logging.ERROR)
     try:
         args = build_parser().parse_args(argv)
+        if hasattr(args, "run"):
+            return int(args.run(args, _console()))
         if args.command == "inspect":
             report = _inspect(args)
             if args.json:

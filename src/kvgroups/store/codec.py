@@ -1,7 +1,8 @@
 """Stored entries: one group's chunk tensor as a safetensors blob that says what it is, with a checksum.
 
 An entry's safetensors metadata names its format, its key, the metadata fingerprint, the group and
-chunk index, dtype and shape, and an xxh3-64 checksum of the tensor bytes. :func:`decode_entry`
+chunk index, dtype and shape, and an xxh3-64 checksum of all of that and the tensor bytes (so a
+changed header field is caught even by a reader that does not know what to expect). :func:`decode_entry`
 serves a value only when all of that is what the caller asked for and the checksum holds; every
 mismatch is listed in one :class:`CorruptEntryError`. No pickle anywhere: safetensors stores raw
 bytes and a JSON header.
@@ -25,7 +26,7 @@ ENTRY_FORMAT = "kvgroups.entry/1"
 TENSOR_NAME = "kv"
 _HEADER_LENGTH = struct.Struct("<Q")
 # An entry header (JSON) is a few hundred bytes; refuse to parse anything absurd.
-_MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 1 << 20
 
 
 class CorruptEntryError(KVGroupsError):
@@ -51,8 +52,13 @@ class EntryInfo:
         }
 
 
-def _checksum(tensor: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(tensor.reshape(-1).view(torch.uint8).numpy().data)
+def _checksum(metadata: dict[str, str], tensor: torch.Tensor) -> str:
+    """xxh3-64 of the metadata (every field but the checksum, canonical JSON) and the tensor's bytes."""
+    digest = xxhash.xxh3_64()
+    fields = {name: value for name, value in metadata.items() if name != "checksum"}
+    digest.update(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def encode_entry(tensor: torch.Tensor, info: EntryInfo) -> bytes:
@@ -68,7 +74,8 @@ def encode_entry(tensor: torch.Tensor, info: EntryInfo) -> bytes:
         raise KVGroupsError(f"entry {info.key!r} (group {info.group_index}, chunk {info.chunk_index}): tensor has "
                             + ", ".join(problems))
     data = tensor.detach().to("cpu").contiguous()
-    metadata = {**info.metadata(), "checksum": _checksum(data)}
+    metadata = info.metadata()
+    metadata["checksum"] = _checksum(metadata, data)
     return safetensors.torch.save({TENSOR_NAME: data}, metadata=metadata)
 
 
@@ -78,7 +85,7 @@ def read_header(data: bytes | memoryview) -> dict[str, Any]:
     if len(view) < _HEADER_LENGTH.size:
         raise CorruptEntryError(f"value of {len(view)} bytes is too short to be an entry")
     (length,) = _HEADER_LENGTH.unpack_from(view)
-    if length > min(_MAX_HEADER_BYTES, len(view) - _HEADER_LENGTH.size):
+    if length > min(MAX_HEADER_BYTES, len(view) - _HEADER_LENGTH.size):
         raise CorruptEntryError(f"header length {length} does not fit a value of {len(view)} bytes")
     try:
         header = json.loads(bytes(view[_HEADER_LENGTH.size:_HEADER_LENGTH.size + length]))
@@ -116,6 +123,6 @@ def decode_entry(data: bytes, expected: EntryInfo | None = None) -> torch.Tensor
         raise CorruptEntryError(f"entry metadata lacks or garbles dtype/shape: {error}") from None
     if (tensor.dtype, list(tensor.shape)) != described:
         raise CorruptEntryError(f"entry holds {tensor.dtype} {list(tensor.shape)} but says {described}")
-    if metadata.get("checksum") != _checksum(tensor):
-        raise CorruptEntryError(f"entry checksum {metadata.get('checksum')!r} does not match its bytes")
+    if metadata.get("checksum") != _checksum(metadata, tensor):
+        raise CorruptEntryError(f"entry checksum {metadata.get('checksum')!r} does not match its header and bytes")
     return tensor

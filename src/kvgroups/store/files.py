@@ -146,7 +146,8 @@ class FileStore(ByteStore):
                     logger.warning("file store: %s does not hold %r (corrupt header); removing it", path, key)
                     path.unlink(missing_ok=True)
                     return None
-                value = file.read() if limit is None else file.read(limit)
+                # read(n) allocates n bytes up front: never ask for more than the file holds.
+                value = file.read() if limit is None else file.read(min(limit, os.fstat(file.fileno()).st_size))
         except FileNotFoundError:
             return None
         except OSError as error:
