@@ -138,7 +138,7 @@ def test_a_flipped_byte_makes_its_entry_a_miss_and_verify_reports_it(tmp_path: P
     store = saved_store(metadata, url, tokens)
     assert main(["store", "verify", url]) == 0
     assert "checked 8 entries" in capsys.readouterr().out
-    victim = FileStore(f"{tmp_path}/kv")._path(store.entry_key(store.keys(tokens)[2], 0))
+    victim = Path(FileStore(f"{tmp_path}/kv")._path(store.entry_key(store.keys(tokens)[2], 0)))
     data = bytearray(victim.read_bytes())
     data[-7] ^= 0x01  # one bit of the tensor payload
     victim.write_bytes(bytes(data))

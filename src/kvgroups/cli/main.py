@@ -144,8 +144,18 @@ def _console() -> Console:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Warnings reach the user through the report; keep library log lines off the terminal.
-    logging.getLogger("kvgroups").setLevel(logging.ERROR)
+    # Warnings reach the user through the report; keep library log lines off the terminal while
+    # the command runs (and only then: main() also runs inside other programs and tests).
+    library = logging.getLogger("kvgroups")
+    previous = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        return _run(argv)
+    finally:
+        library.setLevel(previous)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if hasattr(args, "run"):

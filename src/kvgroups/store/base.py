@@ -36,7 +36,7 @@ class ByteStore(abc.ABC):
     url: str
 
     @abc.abstractmethod
-    def put(self, key: str, value: bytes) -> None: ...
+    def put(self, key: str, value: Value) -> None: ...
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None: ...
@@ -56,7 +56,7 @@ class ByteStore(abc.ABC):
     def size_of(self, key: str) -> int | None:
         """Bytes stored under ``key``, None when absent."""
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
         for key, value in items:
             self.put(key, value)
 
@@ -94,12 +94,17 @@ class ByteStore(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
-def check_value(key: object, value: object) -> bytes:
-    """``value`` as bytes, for a ``put`` of ``key``; raises TypeError for anything else."""
+Value = bytes | bytearray | memoryview
+
+
+def check_value(key: object, value: object) -> Value:
+    """``value``, when ``key`` is a str and ``value`` bytes-like; raises TypeError otherwise.
+
+    Tiers that write a value out at once (files, servers) take the caller's buffer as it is; a
+    tier that keeps it (memory) keeps a copy of anything but ``bytes``.
+    """
     if not isinstance(key, str):
         raise TypeError(f"store keys are str, got {type(key).__name__}")
-    if isinstance(value, bytes):
+    if isinstance(value, (bytes, bytearray, memoryview)):
         return value
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)  # a copy: the caller may change its buffer afterwards
     raise TypeError(f"store values are bytes, got {type(value).__name__} for key {key!r}")

@@ -6,23 +6,40 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from kvgroups.sizes import GIB
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreStats, check_value
+from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreStats, Value, check_value
 
 DEFAULT_MAX_BYTES = GIB
 
 
 class MemoryStore(ByteStore):
-    """A dict in insertion order as the LRU list (a hit moves to the end), under one lock."""
+    """A dict in insertion order as the LRU list, under one lock for writes.
+
+    Reads take no lock: a hit is noted in a dict of recent hits (one C call; bounded by the number
+    of keys), and the hits are applied to the LRU order (moved to the end) when the store is about
+    to evict, so that eviction still sees every read.
+    """
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.url = f"memory://?max_bytes={max_bytes}"
         self.max_bytes = max_bytes
         self._values: dict[str, bytes] = {}
+        self._hits: dict[str, None] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, key: str, value: bytes) -> None:
-        value = check_value(key, value)
+    def _apply_hits(self) -> None:
+        """Move the keys read since the last call to the end of the LRU order (under the lock)."""
+        hits, self._hits = self._hits, {}
+        values = self._values
+        for key in hits:
+            value = values.pop(key, None)
+            if value is not None:
+                values[key] = value
+
+    def put(self, key: str, value: Value) -> None:
+        checked = check_value(key, value)
+        # bytes cannot change under us; anything else is copied, since its owner may reuse it.
+        value = checked if isinstance(checked, bytes) else bytes(checked)
         if len(value) > self.max_bytes:
             raise EntryTooLargeError(
                 f"value of {len(value)} bytes for {key!r} exceeds the memory store's budget of {self.max_bytes}"
@@ -33,26 +50,20 @@ class MemoryStore(ByteStore):
                 self._bytes -= len(old)
             self._values[key] = value
             self._bytes += len(value)
-            while self._bytes > self.max_bytes:
-                oldest = next(iter(self._values))
-                self._bytes -= len(self._values.pop(oldest))
+            if self._bytes > self.max_bytes:
+                self._apply_hits()
+                while self._bytes > self.max_bytes:
+                    oldest = next(iter(self._values))
+                    self._bytes -= len(self._values.pop(oldest))
 
     def get(self, key: str) -> bytes | None:
-        with self._lock:
-            value = self._values.pop(key, None)
-            if value is not None:
-                self._values[key] = value
-            return value
+        value = self._values.get(key)
+        if value is not None:
+            self._hits[key] = None
+        return value
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        with self._lock:
-            found = []
-            for key in keys:
-                value = self._values.pop(key, None)
-                if value is not None:
-                    self._values[key] = value
-                found.append(value)
-            return found
+        return [self.get(key) for key in keys]
 
     def contains(self, key: str) -> bool:
         return key in self._values
@@ -71,6 +82,7 @@ class MemoryStore(ByteStore):
 
     def iter_keys(self) -> Iterator[str]:
         with self._lock:
+            self._apply_hits()
             keys = list(self._values)
         return iter(keys)
 

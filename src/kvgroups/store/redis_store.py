@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvgroups.sizes import MIB
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, check_value
+from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, Value, check_value
 
 KEY_PREFIX = "kvgroups:"
 # What a server accepts when it does not say (Redis' and Valkey's default proto-max-bulk-len).
@@ -51,23 +51,23 @@ class RedisStore(ByteStore):
                 self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
         return self._max_value_bytes
 
-    def _checked(self, key: str, value: bytes) -> bytes:
+    def _checked(self, key: str, value: Value) -> Value:
         value = check_value(key, value)
-        if len(value) > self._limit():
+        if memoryview(value).nbytes > self._limit():
             raise EntryTooLargeError(
-                f"value of {len(value)} bytes for {key!r} exceeds the server's proto-max-bulk-len of "
+                f"value of {memoryview(value).nbytes} bytes for {key!r} exceeds the server's proto-max-bulk-len of "
                 f"{self._limit()} bytes ({self.url})"
             )
         return value
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: Value) -> None:
         value = self._checked(key, value)
         try:
             self._client.set(KEY_PREFIX + key, value, ex=self.ttl_seconds)
         except self._errors as error:
             raise self._fail(f"SET {key!r}", error) from error
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
         checked = [(key, self._checked(key, value)) for key, value in items]
         try:
             with self._client.pipeline(transaction=False) as pipeline:

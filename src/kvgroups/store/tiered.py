@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 
-from kvgroups.store.base import ByteStore, StoreError
+from kvgroups.store.base import ByteStore, StoreError, Value
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,10 @@ class TieredStore(ByteStore):
     def _failed(self, tier: ByteStore, action: str, error: OSError) -> None:
         logger.warning("store tier %s failed to %s (%s); using the other tiers", tier.url, action, error)
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: Value) -> None:
         self.put_many([(key, value)])
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
         failures = []
         for tier in self.tiers:
             try:

@@ -1,0 +1,163 @@
+"""Byte-store tiers against the raw medium they sit on, 1 MiB and 32 MiB entries, in one run.
+
+Per tier, put and get of the same bytes through the kvgroups store and through the raw baseline:
+  memory  -- MemoryStore (thread-safe, LRU by byte budget) vs a plain dict;
+  file    -- FileStore (temporary file + rename, key header, LRU budget) vs open().write / read();
+  redis   -- RedisStore (key prefix, size check, TTL) vs the same redis-py client's SET / GET, on a
+             real server started here (valkey-server or redis-server on a free port).
+Values are handed over as a memoryview of a reused buffer, as the data path produces them, so
+every tier and every baseline must copy them to keep them; like stored chunks (keyed by content)
+each is written once, under a new key, and the gets read them back. Ours and the baseline alternate (A, B,
+A, B, ...); the ratio is the median over the pairs of baseline time / our time (1.00 = as fast as
+the raw medium). GiB/s and p50/p99 are per entry (memory reads, which take well under a
+microsecond, are timed 64 at a time and divided).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvgroups.sizes import MIB
+from kvgroups.store import FileStore, MemoryStore, open_store
+
+Action = Callable[[int], object]
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def interleaved(ours: Action, raw: Action, iterations: int) -> tuple[list[float], list[float]]:
+    ours(0)
+    raw(0)
+    times: tuple[list[float], list[float]] = ([], [])
+    for iteration in range(1, iterations + 1):
+        for action, into in ((ours, times[0]), (raw, times[1])):
+            begin = time.perf_counter()
+            action(iteration)
+            into.append(time.perf_counter() - begin)
+    return times
+
+
+def row(tier: str, size: int, op: str, times: tuple[list[float], list[float]]) -> str:
+    ours, raw = times
+    ratio = statistics.median(r / o for o, r in zip(ours, raw, strict=True))
+    gib = size / (1 << 30)
+    return (f"| {tier} | {size // MIB} MiB | {op} | {gib / statistics.median(ours):.2f} | "
+            f"{statistics.median(ours) * 1e3:.3f} / {percentile(ours, 0.99) * 1e3:.3f} | "
+            f"{gib / statistics.median(raw):.2f} | {statistics.median(raw) * 1e3:.3f} / "
+            f"{percentile(raw, 0.99) * 1e3:.3f} | {ratio:.2f} |")
+
+
+def measure(tier: str, put: Callable[[str, memoryview], object], get: Callable[[str], object],
+            raw_put: Callable[[str, memoryview], object], raw_get: Callable[[str], object], size: int,
+            iterations: int, keys: int, get_batch: int = 1) -> list[str]:
+    buffer = bytearray(size)
+    value = memoryview(buffer)
+
+    def fill(iteration: int) -> memoryview:
+        buffer[:8] = iteration.to_bytes(8, "little")  # a different value every time
+        return value
+
+    # Entries are content-addressed, written once: every put writes a new key. Gets read those back.
+    rows = [row(tier, size, "put", interleaved(lambda i: put(f"k{i}", fill(i)), lambda i: raw_put(f"k{i}", fill(i)),
+                                               iterations))]
+    names = [f"k{index}" for index in range(keys)]
+
+    def gets(read: Callable[[str], object]) -> Action:
+        # Sub-microsecond reads are timed get_batch at a time, so that the clock's own cost does not dominate.
+        return lambda i: [read(names[(i + step) % keys]) for step in range(get_batch)]
+
+    ours, raw = interleaved(gets(get), gets(raw_get), iterations)
+    rows.append(row(tier, size, "get", ([t / get_batch for t in ours], [t / get_batch for t in raw])))
+    return rows
+
+
+def memory_rows(size: int, iterations: int) -> list[str]:
+    store = MemoryStore(max_bytes=(iterations + 2) * size)
+    plain: dict[str, bytes] = {}
+
+    def raw_put(key: str, value: memoryview) -> None:
+        plain[key] = bytes(value)
+
+    return measure("memory", store.put, store.get, raw_put, plain.get, size, iterations, keys=16,  # type: ignore[arg-type]
+                   get_batch=64)
+
+
+def file_rows(directory: Path, size: int, iterations: int) -> list[str]:
+    store = FileStore(directory / "store", max_bytes=(iterations + 2) * size)
+    raw_directory = directory / "raw"
+    raw_directory.mkdir()
+
+    def raw_put(key: str, value: memoryview) -> None:
+        with open(raw_directory / key, "wb") as file:
+            file.write(value)
+
+    def raw_get(key: str) -> bytes:
+        with open(raw_directory / key, "rb") as file:
+            return file.read()
+
+    return measure("file", store.put, store.get, raw_put, raw_get, size, iterations, keys=16)  # type: ignore[arg-type]
+
+
+def redis_rows(directory: Path, size: int, iterations: int) -> list[str]:
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        return [f"| redis | {size // MIB} MiB | - | no valkey-server or redis-server installed | | | | |"]
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        store = open_store(f"redis://127.0.0.1:{port}/0")
+        client = store._client  # type: ignore[attr-defined]  # the same client, without kvgroups around it
+        return measure("redis", store.put, store.get, client.set, client.get, size, iterations, keys=16)  # type: ignore[arg-type]
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=120, help="pairs per row (32 MiB rows use a quarter)")
+    parser.add_argument("--tiers", default="memory,file,redis")
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}; entries handed over as memoryviews of a reused buffer\n")
+    print("| tier | entry | op | ours GiB/s | ours p50 / p99 ms | raw GiB/s | raw p50 / p99 ms | vs raw |")
+    print("|---|---|---|---|---|---|---|---|")
+    tiers = args.tiers.split(",")
+    with tempfile.TemporaryDirectory() as root:
+        for size in (MIB, 32 * MIB):
+            iterations = args.iterations if size == MIB else max(8, args.iterations // 4)
+            for tier in tiers:
+                directory = Path(tempfile.mkdtemp(dir=root))
+                if tier == "memory":
+                    rows = memory_rows(size, iterations)
+                elif tier == "file":
+                    rows = file_rows(directory, size, iterations)
+                else:
+                    rows = redis_rows(directory, size, iterations)
+                for line in rows:
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
