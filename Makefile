@@ -34,3 +34,4 @@ test: $(VENV)/.installed redis-server
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/groups.py
 	$(BIN)/python benchmarks/transfer.py
+	$(BIN)/python benchmarks/store.py
