@@ -35,3 +35,4 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/groups.py
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/reuse.py

@@ -1,0 +1,166 @@
+"""Time to first token with prefix reuse, against recomputing, on a llama-like model sized for a CPU.
+
+A random-weight llama-like model (8 layers, hidden 1024, 16 heads, 8 KV heads, vocab 32000,
+float32) and a 4096-token prompt that shares its first 3840 tokens with a prompt stored before.
+In one run, interleaved (recompute, memory, file, Valkey/Redis, recompute, ...):
+  * time to first token: PrefixCache.prefill (lookup, load, restore, compute the rest, logits of the
+    last position) from each tier, against one plain forward of the whole prompt;
+  * a miss: PrefixCache.prefill of a new prompt (which computes and saves every chunk) against one
+    plain forward;
+and for a Gemma-3-like model (5 sliding layers of window 1024 per full layer) the bytes a reuse
+reads from the store against the bytes of every layer's chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from kvgroups.integrations.transformers import PrefixCache
+
+PROMPT, SHARED, CHUNK = 4096, 3840, 256
+
+
+def llama_like() -> Any:
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def gemma3_like() -> Any:
+    config = transformers.Gemma3TextConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, sliding_window=1024, max_position_embeddings=8192,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def plain_prefill(model: Any, ids: torch.Tensor) -> None:
+    with torch.no_grad():
+        model(ids[None], logits_to_keep=1)
+
+
+def redis_server(directory: Path) -> tuple[subprocess.Popen[bytes] | None, str | None]:
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        return None, None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return server, f"redis://127.0.0.1:{port}/0"
+
+
+def miss_pair(model: Any, cache: PrefixCache, generator: torch.Generator) -> tuple[float, float]:
+    """One plain prefill and one PrefixCache prefill that finds nothing stored, of new prompts."""
+    fresh, other = (torch.randint(3, 32000, (PROMPT,), generator=generator) for _ in range(2))
+    plain = seconds(lambda: plain_prefill(model, fresh))
+    missed = cache.prefill(other)
+    assert missed.reused_tokens == 0
+    cache.flush()
+    return plain, missed.seconds
+
+
+def seconds(action: Callable[[], object]) -> float:
+    begin = time.perf_counter()
+    action()
+    return time.perf_counter() - begin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    model = llama_like()
+    generator = torch.Generator().manual_seed(1)
+    stored = torch.randint(3, 32000, (PROMPT,), generator=generator)
+    prompt = torch.cat([stored[:SHARED], torch.randint(3, 32000, (PROMPT - SHARED,), generator=generator)])
+    with tempfile.TemporaryDirectory() as root:
+        server, redis_url = redis_server(Path(root))
+        urls = {"memory": "memory://?max_bytes=4GiB", "file": f"file://{root}/kv"}
+        if redis_url:
+            urls["Valkey/Redis"] = redis_url
+        caches = {tier: PrefixCache(model, url, chunk_size=CHUNK) for tier, url in urls.items()}
+        for cache in caches.values():
+            cache.prefill(stored)
+            cache.flush()
+        reuse: dict[str, list[float]] = {"recompute": [], **{tier: [] for tier in caches}}
+        reused: dict[str, int] = {}
+        miss: list[tuple[float, float]] = []
+        for round_ in range(args.rounds):
+            reuse["recompute"].append(seconds(lambda: plain_prefill(model, prompt)))
+            for tier, cache in caches.items():
+                result = cache.prefill(prompt)
+                reuse[tier].append(result.seconds)
+                reused[tier] = result.reused_tokens
+                cache.flush()
+            miss.append(miss_pair(model, caches["memory"], generator))
+            print(f"round {round_ + 1}: " + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in reuse.items()),
+                  flush=True)
+        for cache in caches.values():
+            cache.close()
+        if server is not None:
+            server.kill()
+            server.wait()
+    recompute = statistics.median(reuse["recompute"])
+    print(f"\n{PROMPT}-token prompt, {SHARED} tokens stored; llama-like 8 layers x hidden 1024, float32, "
+          f"{torch.get_num_threads()} threads; medians of {args.rounds} interleaved rounds\n")
+    print("| time to first token | reused tokens | seconds | speed-up vs recompute |")
+    print("|---|---|---|---|")
+    print(f"| recompute (one plain forward) | 0 | {recompute:.2f} | 1.00x |")
+    for tier in caches:
+        ttft = statistics.median(reuse[tier])
+        pairs = statistics.median(r / t for r, t in zip(reuse["recompute"], reuse[tier], strict=True))
+        print(f"| reuse from {tier} | {reused[tier]} | {ttft:.2f} | {pairs:.1f}x |")
+    def report_miss(what: str, pairs: list[tuple[float, float]]) -> None:
+        ratio = statistics.median(ours / plain for plain, ours in pairs)
+        plain_s, ours_s = statistics.median(p for p, _ in pairs), statistics.median(o for _, o in pairs)
+        print(f"| {what} | {plain_s:.2f} | {ours_s:.2f} | {ratio:.2f}x |")
+
+    print(f"\nA miss: PrefixCache.prefill of a new prompt (computes and saves all {PROMPT // CHUNK} chunks) vs one "
+          f"plain prefill\n")
+    print("| model | plain s | PrefixCache s | ratio |")
+    print("|---|---|---|---|")
+    report_miss("llama-like (every layer keeps every token: one forward, then packed)", miss)
+    gemma = gemma3_like()
+    with PrefixCache(gemma, "memory://?max_bytes=4GiB", chunk_size=CHUNK) as cache:
+        report_miss("Gemma-3-like (sliding layers: one chunk per forward)",
+                    [miss_pair(gemma, cache, generator) for _ in range(args.rounds)])
+        cache.prefill(stored)
+        cache.flush()
+        before = list(cache.chunk_store.stats.bytes_read)
+        result = cache.prefill(prompt)
+        read = sum(cache.chunk_store.stats.bytes_read) - sum(before)
+        keys = cache.chunk_store.keys(stored)
+        store = cache.chunk_store.store
+        every = sum(store.size_of(cache.chunk_store.entry_key(key, group)) or 0
+                    for key in keys[: result.reused_tokens // CHUNK] for group in range(len(cache.groups)))
+    print(f"\nGemma-3-like (5 sliding layers, window 1024, per full layer): reusing {result.reused_tokens} tokens read "
+          f"{read / 2**20:.1f} MiB from the store; every layer's chunks of that prefix are {every / 2**20:.1f} MiB "
+          f"({read / every:.2f} of them)")
+
+
+if __name__ == "__main__":
+    main()
