@@ -1,4 +1,5 @@
-"""The ``kvgroups`` command: ``inspect`` a model's KV cache, list ``presets``, look into a ``store``.
+"""The ``kvgroups`` command: ``inspect`` a model's KV cache, list ``presets``, ``generate`` with prefix
+reuse, look into a ``store``.
 
 Strings become enums and dtypes here and nowhere else. Any bad input ends as one line on stderr
 and exit code 2.
@@ -18,6 +19,7 @@ from typing import Any, NoReturn
 import torch
 from rich.console import Console
 
+from kvgroups.cli.generate_command import add_generate_command
 from kvgroups.cli.render import render_inspect, render_presets
 from kvgroups.cli.report import inspect_model
 from kvgroups.cli.store_command import add_store_commands
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     presets = commands.add_parser("presets", help="list the bundled model configs")
     presets.add_argument("--json", action="store_true", help="print JSON")
     add_store_commands(commands, _Parser)
+    add_generate_command(commands, _positive_int)
     return parser
 
 

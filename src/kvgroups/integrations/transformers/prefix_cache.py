@@ -89,6 +89,8 @@ class PrefixCache:
         self.group_parts = [[by_name[name] for name in group.layer_names] for group in self.groups]
         self.chunk_store = KVChunkStore(self.metadata, store, chunk_size=chunk_size, salt=salt,
                                         max_pending=max_pending)
+        # The latest prefill's result (generate() runs one): what it reused and computed.
+        self.last_prefill: PrefillResult | None = None
 
     def _metadata(self, model_name: str) -> LMCacheMetadata:
         """Groups of the parts as they look holding one chunk (meta tensors), and their metadata."""
@@ -196,8 +198,10 @@ class PrefixCache:
                 if progress is not None:
                     progress(position, total)
         assert logits is not None  # at least one token is always computed
-        return PrefillResult(cache=cache, logits=logits[0, -1], reused_tokens=loaded.num_tokens,
-                             computed_tokens=total - loaded.num_tokens, seconds=time.perf_counter() - begin)
+        self.last_prefill = PrefillResult(cache=cache, logits=logits[0, -1], reused_tokens=loaded.num_tokens,
+                                          computed_tokens=total - loaded.num_tokens,
+                                          seconds=time.perf_counter() - begin)
+        return self.last_prefill
 
     def generate(self, input_ids: Any, max_new_tokens: int = 32, **kwargs: Any) -> torch.Tensor:
         """``model.generate`` after a reusing prefill of all but the last prompt token; greedy by default.
