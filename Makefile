@@ -1,16 +1,24 @@
-# Two entry points: `make demo` (the main job) and `make test` (ruff, mypy --strict, pytest).
-# Both set up .venv on first use. torch is pinned to the CPU build first so that pip never
-# resolves a bare `torch` requirement to a multi-GB CUDA build.
+# Two entry points: `make demo` (prefix reuse end to end) and `make test` (ruff, mypy --strict,
+# pytest). Both set up .venv on first use, the demo with only what it needs. torch is pinned to the
+# CPU build first so that pip never resolves a bare `torch` requirement to a multi-GB CUDA build.
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-$(VENV)/.installed: pyproject.toml
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+
+# What the demo needs: torch, then the package with its transformers extra.
+$(VENV)/.installed-demo: pyproject.toml
 	python3 -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
-	# LMCache (the reference) for the differential test and benchmarks; --no-deps keeps torch as is.
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps lmcache==0.4.1
+	$(PIP) torch==$(TORCH_VERSION)
+	$(PIP) -e '.[transformers]'
+	touch $@
+
+# What the tests need on top: the dev tools, and LMCache (the reference) for the differential test
+# and benchmarks; --no-deps keeps torch as it is.
+$(VENV)/.installed: $(VENV)/.installed-demo
+	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps lmcache==0.4.1
 	touch $@
 
 .PHONY: setup demo test bench redis-server
@@ -23,8 +31,8 @@ redis-server:
 	@command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
 
-demo: $(VENV)/.installed
-	$(BIN)/kvgroups inspect qwen3-next-80b-a3b-thinking --tp 2 --memory 8 --tokens 131072 --seqs 8
+demo: $(VENV)/.installed-demo
+	$(BIN)/python examples/prefix_reuse_demo.py
 
 test: $(VENV)/.installed redis-server
 	$(BIN)/ruff check .

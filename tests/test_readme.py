@@ -10,10 +10,16 @@ import torch
 from kvgroups import LayerKind
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+
+
+def block_with(text: str) -> str:
+    (found,) = [block for block in BLOCKS if text in block]
+    return found
 
 
 def test_library_usage_block_runs_and_its_comments_hold() -> None:
-    block = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)[0]
+    block = block_with("metadata.kv_layer_groups_manager.build_kv_layer_groups(caches, specs)")
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)
     manager, metadata, other = namespace["manager"], namespace["metadata"], namespace["other"]
@@ -24,7 +30,7 @@ def test_library_usage_block_runs_and_its_comments_hold() -> None:
 
 
 def test_data_path_block_runs() -> None:
-    block = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)[1]
+    block = block_with("transfer = KVTransfer(groups, kv_caches)")
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)
     chunk, kv_caches, transfer = namespace["chunk"], namespace["kv_caches"], namespace["transfer"]
