@@ -44,8 +44,9 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     console = Console(width=140)
     generator = torch.Generator().manual_seed(1)
-    first = torch.randint(3, COMMON["vocab_size"], (PROMPT,), generator=generator)
-    second = torch.cat([first[:SHARED], torch.randint(3, COMMON["vocab_size"], (PROMPT - SHARED,), generator=generator)])
+    vocab = COMMON["vocab_size"]
+    first = torch.randint(3, vocab, (PROMPT,), generator=generator)
+    second = torch.cat([first[:SHARED], torch.randint(3, vocab, (PROMPT - SHARED,), generator=generator)])
     table = Table(title=f"Request B shares {SHARED} of its {PROMPT} tokens with request A "
                         f"({CHUNK}-token chunks, file store)")
     for header in ("model", "reused", "computed", "TTFT with reuse s", "TTFT recompute s", "speed-up",
