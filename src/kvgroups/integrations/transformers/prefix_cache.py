@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.transformers.cache_parts import (
     Part,
@@ -36,7 +37,6 @@ from kvgroups.metadata import LMCacheMetadata
 from kvgroups.store import KVChunkStore, LoadedPrefix
 from kvgroups.store.keys import token_array
 from kvgroups.store.urls import StoreArg
-from kvgroups.transfer import KVTransfer
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in all)
 
