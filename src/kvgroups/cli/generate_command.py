@@ -76,14 +76,23 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace, console: Console) -> int:
-    import torch  # noqa: PLC0415 - the other commands start without loading a model stack
+    from kvgroups.store import open_store  # noqa: PLC0415 - the other commands start without it
+
+    # Everything that can be checked without loading the model is checked first.
+    directory = Path(args.model)
+    if not (directory / "config.json").is_file():
+        raise KVGroupsError(f"{args.model}: not a model directory (no config.json)")
+    given_ids = _prompt_ids(args, None) if args.prompt_ids is not None else None
+    with open_store(args.store[0] if len(args.store) == 1 else args.store) as store:
+        return _generate(args, directory, given_ids, store)
+
+
+def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | None, store: Any) -> int:
+    import torch  # noqa: PLC0415 - loading a model stack is this command's alone
     import transformers  # noqa: PLC0415
 
     from kvgroups.integrations.transformers import PrefixCache  # noqa: PLC0415
 
-    directory = Path(args.model)
-    if not (directory / "config.json").is_file():
-        raise KVGroupsError(f"{args.model}: not a model directory (no config.json)")
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # stderr carries our one progress bar and summary
     try:
@@ -94,8 +103,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError):
         tokenizer = None
-    ids = torch.tensor(_prompt_ids(args, tokenizer), dtype=torch.int64)
-    store = args.store[0] if len(args.store) == 1 else args.store
+    ids = torch.tensor(given_ids if given_ids is not None else _prompt_ids(args, tokenizer), dtype=torch.int64)
     errors = Console(stderr=True)
     with PrefixCache(model, store, chunk_size=args.chunk_size, salt=args.salt) as cache, \
             Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
