@@ -107,3 +107,14 @@ def state_copier(kernel: str, layers: Sequence[Tensors]) -> tuple[str, Copier]:
 
         return kernel, TritonStateCopier(table)
     return "torch", StateCopier(layers)
+
+
+def warm_up(device: torch.device | str = "cpu") -> str:
+    """Compile the kernel caches on ``device`` will use, now rather than in their first copy; its name."""
+    kernel = choose_kernel(torch.device(device))
+    if kernel == "numba":
+        from kvgroups.datapath.numba_copy import warm_up as compile_numba  # noqa: PLC0415 - numba loads on use
+
+        compile_numba()
+    return kernel
+

@@ -299,3 +299,29 @@ class NumbaStateCopier:
             return
         _check_moved(self.table)
         _copy_states(*self.arrays, chunk.data_ptr(), self.table.row_bytes, call.state_indices.numpy(), scatter)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel now, copying a few bytes between two buffers.
+
+    The first call of each kernel otherwise compiles it in the middle of a copy: seconds on a
+    new machine, which a latency-sensitive caller pays at startup instead.
+    """
+    # Streaming stores need 32-byte aligned destinations: both buffers start on a 64-byte boundary.
+    memory = np.zeros(512, dtype=np.uint8)
+    start = -memory.ctypes.data % 64
+    source, target = memory[start:start + 64], memory[start + 128:start + 192]
+    bases = np.array([source.ctypes.data], dtype=np.int64)
+    slots = np.array([0, 1], dtype=np.int64)
+    first, offset, length = _token_runs(slots, 2, 64, 32, 32, True)
+    for streaming in (False, _STREAMING_STORES):
+        _copy_tokens_serial(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, False, streaming)
+        with _PARALLEL_LOCK:
+            _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, False,
+                                  streaming)
+    if not np.array_equal(source, target):
+        raise RuntimeError("the numba copy kernel failed its warm-up copy")
+    one = np.zeros(1, dtype=np.int64)
+    _copy_states(bases, np.array([32], dtype=np.int64), np.array([32], dtype=np.int64), one, one, target.ctypes.data,
+                 32, one, False)
+

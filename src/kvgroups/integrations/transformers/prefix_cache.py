@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.transformers.cache_parts import (
@@ -74,6 +75,7 @@ class PrefixCache:
         self.model = model
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
+        warm_up(self.device)  # the data path's kernels compile now, not inside the first request
         probe = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=self.device), cache=probe, use_cache=True,
