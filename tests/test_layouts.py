@@ -7,6 +7,7 @@ import torch
 
 from kvgroups import (
     CacheGeometry,
+    KVGroupsError,
     KVLayerGroupsManager,
     KVLayout,
     LMCacheMetadata,
@@ -31,6 +32,8 @@ EXPECTED = CacheGeometry(kv_size=2, num_blocks=NB, block_size=BS, num_heads=NH, 
         (KVLayout.FLASHINFER_HND, (NB, 2, NH, BS, HS)),
         (KVLayout.KV_SPLIT, (NB, BS, NH, HS)),
         (KVLayout.KV_SPLIT_HND, (NB, NH, BS, HS)),
+        (KVLayout.VLLM, (NB, NH, BS, 2 * HS)),
+        (KVLayout.VLLM_CPU, (NB, NH, BS, 2 * HS)),
     ],
 )
 def test_geometry_of_every_kv_layout(layout: KVLayout, shape: tuple[int, ...]) -> None:
@@ -111,3 +114,31 @@ def test_kinds_split_lookalike_layers_and_set_per_group_kv_size() -> None:
     assert metadata.get_shapes(8) == [
         torch.Size([2, 2, 8, NH * HS]), torch.Size([2, 2, 8, NH * HS]), torch.Size([1, 1, 8, 576])
     ]
+
+
+def test_vllm_pages_need_an_explicit_layout_and_cpu_pages_must_be_contiguous() -> None:
+    page = meta(NB, NH, BS, 2 * HS)
+    assert detect_layout(page) is None  # VLLM and VLLM_CPU differ only inside a page
+    manager = KVLayerGroupsManager()
+    with pytest.raises(KVGroupsError, match=r"pass layout= .*vllm, vllm_cpu"):
+        manager.build_kv_layer_groups({"l0": page})
+    manager.build_kv_layer_groups({"l0": page}, layout=KVLayout.VLLM_CPU)
+    (group,) = manager.kv_layer_groups
+    assert (group.num_heads, group.block_size, group.head_size, group.hidden_dim_size) == (NH, BS, HS, NH * HS)
+    # Tokens outside heads (vLLM's NHD order) is a VLLM view, never a CPU page.
+    nhd = torch.empty(NB, BS, NH, 2 * HS, device="meta").permute(0, 2, 1, 3)
+    KVLayerGroupsManager().build_kv_layer_groups({"l0": nhd}, layout=KVLayout.VLLM)
+    with pytest.raises(KVGroupsError, match=r"layer 0 'l0'.*vllm_cpu.*page of 16 x 64 elements contiguous"):
+        KVLayerGroupsManager().build_kv_layer_groups({"l0": nhd}, layout=KVLayout.VLLM_CPU)
+    with pytest.raises(KVGroupsError, match=r"even"):
+        KVLayerGroupsManager().build_kv_layer_groups({"l0": meta(NB, NH, BS, 7)}, layout=KVLayout.VLLM)
+
+
+def test_cpu_page_planes_are_views_of_the_page_bytes() -> None:
+    cache = torch.arange(2 * NH * BS * 2 * HS, dtype=torch.float32).view(2, NH, BS, 2 * HS)
+    keys, values = (to_token_major(KVLayout.VLLM_CPU, cache, plane) for plane in (0, 1))
+    page = cache[1, 3].flatten()  # block 1, head 3
+    assert torch.equal(keys[1, 5, 3], page[torch.arange(HS) * BS + 5])
+    assert torch.equal(values[1, 5, 3], page[BS * HS + 5 * HS: BS * HS + 6 * HS])
+    keys[1, 5, 3, 0] = -1.0
+    assert cache[1, 3].flatten()[5] == -1.0

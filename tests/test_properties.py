@@ -28,7 +28,7 @@ from kvgroups.layouts import shape_for
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 KV_LAYOUTS = (
     KVLayout.FLASH_ATTN, KVLayout.FLASH_ATTN_HND, KVLayout.FLASHINFER, KVLayout.FLASHINFER_HND,
-    KVLayout.KV_SPLIT, KVLayout.KV_SPLIT_HND,
+    KVLayout.KV_SPLIT, KVLayout.KV_SPLIT_HND, KVLayout.VLLM, KVLayout.VLLM_CPU,
 )
 
 

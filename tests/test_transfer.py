@@ -20,6 +20,7 @@ from kvgroups import (
     KVLayout,
     LMCacheMetadata,
     RecurrentState,
+    SlidingWindow,
     SlotMappingError,
 )
 from kvgroups.transfer import KVTransfer, pack, unpack
@@ -43,6 +44,15 @@ def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
     else:
         os.environ["KVGROUPS_KERNEL"] = previous
 
+def cpu_page_read(cache: torch.Tensor, kv: int, b: int, o: int) -> torch.Tensor:
+    num_heads, block_size, width = cache.shape[1:]
+    head_size = width // 2
+    pages = cache[b].view(num_heads, 2, block_size * head_size)  # a view: each page is contiguous
+    if kv == 0:
+        return pages[:, 0].view(num_heads, head_size, block_size)[:, :, o]
+    return pages[:, 1].view(num_heads, block_size, head_size)[:, o]
+
+
 # token (block b, offset o) of plane kv -> its [num_heads, head_size] (MLA: [head_size]) elements,
 # spelled out per layout, independently of kvgroups' axis tables.
 READ: dict[KVLayout, Callable[[Any, int, int, int], torch.Tensor]] = {
@@ -53,7 +63,12 @@ READ: dict[KVLayout, Callable[[Any, int, int, int], torch.Tensor]] = {
     KVLayout.MLA: lambda cache, kv, b, o: cache[b, o],
     KVLayout.KV_SPLIT: lambda cache, kv, b, o: cache[kv][b, o],
     KVLayout.KV_SPLIT_HND: lambda cache, kv, b, o: cache[kv][b, :, o],
+    # vLLM: the last axis of (block, head, token) is K then V.
+    KVLayout.VLLM: lambda cache, kv, b, o: cache[b, :, o].unflatten(-1, (2, -1))[:, kv],
+    # vLLM CPU: page (block, head) is K as [head_size, block_size], then V as [block_size, head_size].
+    KVLayout.VLLM_CPU: cpu_page_read,
 }
+
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -75,6 +90,12 @@ def make_cache(layout: KVLayout, nb: int, bs: int, nh: int, hs: int, dtype: torc
     if layout is KVLayout.KV_SPLIT:
         return (tensor((nb, bs, nh, hs)), tensor((nb, bs, nh, hs)))
     permuted = storage == "permuted"
+    if layout is KVLayout.VLLM:
+        # permuted: vLLM's NHD (LBNHC) order, tokens outside heads in memory.
+        return tensor((nb, bs, nh, 2 * hs)).permute(0, 2, 1, 3) if permuted else tensor((nb, nh, bs, 2 * hs))
+    if layout is KVLayout.VLLM_CPU:
+        # permuted: heads outside blocks in memory; each page stays contiguous, as the backend needs.
+        return tensor((nh, nb, bs, 2 * hs)).permute(1, 0, 2, 3) if permuted else tensor((nb, nh, bs, 2 * hs))
     if layout is KVLayout.FLASH_ATTN_HND:
         return tensor((2, nb, bs, nh, hs)).permute(0, 1, 3, 2, 4) if permuted else tensor((2, nb, nh, bs, hs))
     if layout is KVLayout.FLASHINFER_HND:
@@ -151,7 +172,8 @@ def cases(draw: st.DrawFn) -> Case:
 
 def build(case: Case) -> tuple[dict[str, Any], KVLayerGroupsManager]:
     generator = torch.Generator().manual_seed(case.seed)
-    if case.storage == "pool" and case.layout in (KVLayout.FLASH_ATTN, KVLayout.FLASHINFER, KVLayout.MLA):
+    if case.storage == "pool" and case.layout in (KVLayout.FLASH_ATTN, KVLayout.FLASHINFER, KVLayout.MLA,
+                                                  KVLayout.VLLM, KVLayout.VLLM_CPU):
         # Layers as evenly spaced views of one buffer, as single-pool engines allocate them.
         one = make_cache(case.layout, case.nb, case.bs, case.nh, case.hs, case.dtype, "contiguous", generator)
         pool = random_tensor((case.num_layers, *one.shape), case.dtype, generator)
@@ -535,3 +557,58 @@ def test_large_call_paths_of_the_numba_kernel_move_the_same_bytes(kernel: str) -
         check()
     finally:
         numba_copy.PARALLEL_MIN_BYTES, numba_copy.STREAMING_MIN_BYTES = saved
+
+
+@pytest.mark.parametrize("layout", [KVLayout.VLLM, KVLayout.VLLM_CPU])
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+def test_groups_overlaid_on_one_vllm_buffer_move_only_their_own_blocks(layout: KVLayout, order: str,
+                                                                         kernel: str) -> None:
+    """As vLLM allocates a hybrid model: one int8 buffer, every group's layers at the same addresses.
+
+    A block id belongs to one group at a time, so copies of one group must touch only its blocks.
+    """
+    if layout is KVLayout.VLLM_CPU and order == "LBNHC":
+        pytest.skip("the CPU backend reads only head-major (LBHNC) pages")
+    nb, nh, bs, hs, num_layers, dtype = 6, 2, 4, 8, 2, torch.bfloat16
+    page_bytes = nh * bs * 2 * hs * dtype.itemsize
+
+    def views(raw: torch.Tensor) -> list[torch.Tensor]:
+        layers = raw.view(dtype).view(num_layers, -1)
+        if order == "LBHNC":
+            return [layer.view(nb, nh, bs, 2 * hs) for layer in layers]
+        return [layer.view(nb, bs, nh, 2 * hs).permute(0, 2, 1, 3) for layer in layers]
+
+    generator = torch.Generator().manual_seed(5)
+    raw = random_tensor((num_layers * nb * page_bytes // 2,), dtype, generator).view(torch.int8)
+    shared = views(raw)
+    caches = {"sliding.0": shared[0], "full.1": shared[0], "sliding.2": shared[1], "full.3": shared[1]}
+    assert caches["sliding.0"].data_ptr() == caches["full.1"].data_ptr()
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(caches, {"sliding.0": SlidingWindow(window_tokens=8),
+                                           "sliding.2": SlidingWindow(window_tokens=8)}, layout=layout)
+    sliding, full = manager.kv_layer_groups
+    assert sliding.layer_names == ["sliding.0", "sliding.2"] and full.layer_names == ["full.1", "full.3"]
+    assert KVTransfer(manager, caches).kernels == [kernel, kernel]
+    owned = {"sliding": [4, 1], "full": [2, 5, 3]}
+    slots = {name: torch.tensor([b * bs + o for b in blocks for o in range(bs)]) for name, blocks in owned.items()}
+    chunks = {
+        "sliding": KVTransfer([sliding], caches).pack(slots["sliding"])[0],
+        "full": KVTransfer([full], caches).pack(slots["full"])[0],
+    }
+    for name, group in (("sliding", sliding), ("full", full)):
+        layers = {layer: caches[layer] for layer in group.layer_names}
+        expected = reference_pack(layout, layers, slots[name].tolist(), bs, dtype, nh * hs)
+        assert torch.equal(chunks[name].view(torch.uint8), expected.view(torch.uint8))
+
+    target_raw = torch.zeros_like(raw)
+    target = views(target_raw)
+    target_caches = {"sliding.0": target[0], "full.1": target[0], "sliding.2": target[1], "full.3": target[1]}
+    KVTransfer([sliding], target_caches).unpack([chunks["sliding"]], slots["sliding"])
+    KVTransfer([full], target_caches).unpack([chunks["full"]], slots["full"])
+    for layer in range(num_layers):
+        for block in range(nb):
+            got, want = target[layer][block], shared[layer][block]
+            if block in owned["sliding"] + owned["full"]:
+                assert torch.equal(got, want), (layer, block)
+            else:
+                assert not got.any(), (layer, block)  # blocks no group owns stay as they were

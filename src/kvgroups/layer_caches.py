@@ -108,10 +108,13 @@ def check_layer(key: GroupKey, value: object) -> Tensors:
     Raises :class:`~kvgroups.errors.KVGroupsError` saying what ``value`` is and what the group
     expects; the caller says which layer.
     """
-    # The common case, one tensor of the group's shape and dtype, costs three comparisons.
+    # The common case, one tensor of the group's shape and dtype, costs a few comparisons.
     if isinstance(value, torch.Tensor) and key.layout.tensors_per_layer == 1:
         if value.shape == key.shape and value.dtype == key.dtype:
-            return (value,)
+            problem = key.layout.layout_problem(value)
+            if problem is None:
+                return (value,)
+            raise KVGroupsError(f"is {describe_value(value)}, but {problem}")
     else:
         tensors = as_tensors(value)
         if tensors is not None and _fits(key, tensors):
@@ -151,6 +154,9 @@ def _single_tensor(value: object, layout: KVLayout) -> Tensors:
         raise LayerValueError(
             f"shape {list(value.shape)} in layout {layout.value} needs 2 at the K/V axis (dim {axes.index(Axis.KV)})"
         )
+    problem = layout.layout_problem(value)
+    if problem is not None:
+        raise LayerValueError(f"{describe_value(value)} does not fit layout {layout.value}: {problem}")
     return (value,)
 
 

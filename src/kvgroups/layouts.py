@@ -27,9 +27,11 @@ class Axis(enum.Enum):
     HEAD_SIZE = "head_size"
     STATE_SLOTS = "num_state_slots"
     STATE = "state"  # everything after the slot axis of a recurrent state, flattened
+    KV_HEAD_SIZE = "2 * head_size"  # one head's keys, then its values, along one axis (vLLM)
 
 
 _KV, _NB, _BS, _NH, _HS = Axis.KV, Axis.BLOCKS, Axis.BLOCK_SIZE, Axis.HEADS, Axis.HEAD_SIZE
+_KVHS = Axis.KV_HEAD_SIZE
 
 
 class KVLayout(enum.Enum):
@@ -45,8 +47,18 @@ class KVLayout(enum.Enum):
     MLA            ``[num_blocks, block_size, head_size]``               one latent, kv_size 1
     KV_SPLIT       ``[num_blocks, block_size, num_heads, head_size]``    two: ``(k, v)``
     KV_SPLIT_HND   ``[num_blocks, num_heads, block_size, head_size]``    two: ``(k, v)``
+    VLLM           ``[num_blocks, num_heads, block_size, 2 * head_size]`` one (vLLM 0.2x+ GPU backends)
+    VLLM_CPU       ``[num_blocks, num_heads, block_size, 2 * head_size]`` one (vLLM's CPU backend)
     RECURRENT      ``[num_state_slots, *state_shape]``                   one or more states
     ============== ===================================================== ========================
+
+    The two vLLM layouts are the per-layer ``[B, H, N, C]`` views vLLM hands a KV connector
+    (strides free: vLLM's ``LBNHC`` and ``LBHNC`` orders are both such views of one buffer).
+    They differ in what sits inside a page: in ``VLLM`` (FlashAttention, FlashInfer, Triton) the
+    last axis of each (block, head, token) holds that token's K row, then its V row; in
+    ``VLLM_CPU`` (the CPU backend's ``vec`` kernels) each (block, head) page holds the block's K
+    transposed, ``[head_size, block_size]``, then its V, ``[block_size, head_size]``, so a
+    token's K elements lie ``block_size`` apart. The shape cannot tell them apart.
     """
 
     FLASH_ATTN = "flash_attn"
@@ -56,6 +68,8 @@ class KVLayout(enum.Enum):
     MLA = "mla"
     KV_SPLIT = "kv_split"
     KV_SPLIT_HND = "kv_split_hnd"
+    VLLM = "vllm"
+    VLLM_CPU = "vllm_cpu"
     RECURRENT = "recurrent"
 
     @property
@@ -75,7 +89,7 @@ class KVLayout(enum.Enum):
     @property
     def kv_size(self) -> int:
         """Planes in a stored chunk: 2 (keys, values) or 1 (MLA latent, recurrent state)."""
-        if Axis.KV in self.axes or self.tensors_per_layer == 2:
+        if Axis.KV in self.axes or _KVHS in self.axes or self.tensors_per_layer == 2:
             return 2
         return 1
 
@@ -88,6 +102,21 @@ class KVLayout(enum.Enum):
     def axes_text(self) -> str:
         """``[2, num_blocks, block_size, num_heads, head_size]``, for error messages and docs."""
         return "[" + ", ".join("2" if axis is _KV else axis.value for axis in self.axes) + "]"
+
+    def layout_problem(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor`` (of this layout's rank) cannot be read in this layout, or None.
+
+        Strides are free except where a layout fixes how a page is laid out: a ``VLLM_CPU``
+        page of one (block, head) is ``2 * block_size * head_size`` contiguous elements.
+        """
+        if _KVHS in self.axes and tensor.shape[-1] % 2:
+            return f"its last axis (2 * head_size) is {tensor.shape[-1]}, not even"
+        if self is KVLayout.VLLM_CPU:
+            block_size, width = tensor.shape[2], tensor.shape[3]
+            if (width > 1 and tensor.stride(3) != 1) or (block_size > 1 and tensor.stride(2) != width):
+                return (f"its strides {list(tensor.stride())} do not keep each (block, head) page of "
+                        f"{block_size} x {width} elements contiguous, as vLLM's CPU backend does")
+        return None
 
     @classmethod
     def parse(cls, name: str) -> KVLayout:
@@ -107,6 +136,8 @@ _AXES: dict[KVLayout, tuple[Axis, ...]] = {
     KVLayout.MLA: (_NB, _BS, _HS),
     KVLayout.KV_SPLIT: (_NB, _BS, _NH, _HS),
     KVLayout.KV_SPLIT_HND: (_NB, _NH, _BS, _HS),
+    KVLayout.VLLM: (_NB, _NH, _BS, _KVHS),
+    KVLayout.VLLM_CPU: (_NB, _NH, _BS, _KVHS),
     KVLayout.RECURRENT: (Axis.STATE_SLOTS, Axis.STATE),
 }
 
@@ -161,6 +192,12 @@ def geometry(layout: KVLayout, shape: Sequence[int]) -> CacheGeometry:
             kv_size=1, num_blocks=size[Axis.STATE_SLOTS], block_size=1, num_heads=1,
             head_size=size[Axis.STATE],
         )
+    if _KVHS in size:
+        if size[_KVHS] % 2:
+            raise KVGroupsError(
+                f"layout {layout.value} {layout.axes_text} needs an even last axis, got shape {list(shape)}"
+            )
+        size[_HS] = size[_KVHS] // 2
     return CacheGeometry(
         kv_size=size.get(_KV, layout.kv_size),
         num_blocks=size[_NB],
@@ -176,7 +213,7 @@ def shape_for(layout: KVLayout, sizes: CacheGeometry) -> torch.Size:
         return torch.Size([sizes.num_blocks, sizes.head_size])
     by_axis = {
         _KV: sizes.kv_size, _NB: sizes.num_blocks, _BS: sizes.block_size,
-        _NH: sizes.num_heads, _HS: sizes.head_size,
+        _NH: sizes.num_heads, _HS: sizes.head_size, _KVHS: 2 * sizes.head_size,
     }
     return torch.Size([by_axis[axis] for axis in layout.axes])
 
@@ -186,8 +223,9 @@ def detect_layout(value: object) -> KVLayout | None:
 
     A list or tuple of two tensors is KV_SPLIT; a rank-3 tensor is MLA; a rank-5 tensor is
     FLASH_ATTN when its dim 0 is 2 (read as the K/V axis, as LMCache does, even when num_blocks
-    is 2 too) and FLASHINFER when only its dim 1 is 2. Heads-before-block-size (HND) orders
-    cannot be told apart from a shape and must be passed explicitly.
+    is 2 too) and FLASHINFER when only its dim 1 is 2. Heads-before-block-size (HND) orders,
+    and vLLM's rank-4 pages (VLLM or VLLM_CPU, which differ only inside a page), cannot be told
+    apart from a shape and must be passed explicitly.
     """
     if isinstance(value, (list, tuple)):
         return KVLayout.KV_SPLIT if len(value) == 2 else None
@@ -213,8 +251,8 @@ def layout_from_shape(shape: Sequence[int]) -> KVLayout:
     if layout is None:
         raise KVGroupsError(
             f"cannot tell the layout of shape {list(shape)}: expected rank 5 with 2 at dim 0 (flash_attn) "
-            f"or dim 1 (flashinfer), rank 3 (mla), or a (k, v) pair of tensors; pass layout= for HND or "
-            f"other layouts"
+            f"or dim 1 (flashinfer), rank 3 (mla), or a (k, v) pair of tensors; pass layout= for HND "
+            f"layouts and for vLLM's rank-4 pages (vllm, vllm_cpu)"
         )
     return layout
 
@@ -223,9 +261,17 @@ def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int) -> tor
     """A view ``[num_blocks, block_size, num_heads, head_size]`` of plane ``kv_index`` of a tensor.
 
     Writes through the returned view land in ``tensor`` (it is never a copy). For MLA the heads
-    axis has size 1; for KV_SPLIT layouts ``tensor`` is the K or the V tensor itself.
+    axis has size 1; for KV_SPLIT layouts ``tensor`` is the K or the V tensor itself. A
+    ``VLLM_CPU`` tensor must pass :meth:`KVLayout.layout_problem` (its pages are contiguous).
     """
+    if layout is KVLayout.VLLM_CPU:
+        return _cpu_page_plane(tensor, kv_index)
     axes = layout.axes
+    if _KVHS in axes:
+        position = axes.index(_KVHS)
+        shape = tensor.shape  # splitting one axis is a view whatever the strides
+        tensor = tensor.view(*shape[:position], 2, shape[position] // 2, *shape[position + 1:])
+        axes = (*axes[:position], _KV, _HS, *axes[position + 1:])
     if _KV in axes:
         tensor = tensor.select(axes.index(_KV), kv_index)
         axes = tuple(axis for axis in axes if axis is not _KV)
@@ -233,3 +279,20 @@ def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int) -> tor
         tensor = tensor.unsqueeze(axes.index(_HS))
         axes = (*axes[:-1], _NH, _HS)
     return tensor.permute([axes.index(axis) for axis in TOKEN_MAJOR_AXES])
+
+
+def _cpu_page_plane(tensor: torch.Tensor, kv_index: int) -> torch.Tensor:
+    """Plane ``kv_index`` of a ``VLLM_CPU`` tensor as a token-major view of its storage.
+
+    Element ``d`` of token ``t``'s K in page (block, head) sits at ``d * block_size + t`` of the
+    page, its V element at ``block_size * head_size + t * head_size + d``.
+    """
+    num_blocks, num_heads, block_size, width = tensor.shape
+    head_size = width // 2
+    block_stride, head_stride = tensor.stride(0), tensor.stride(1)
+    base = tensor.storage_offset()
+    if kv_index == 0:
+        return tensor.as_strided((num_blocks, block_size, num_heads, head_size),
+                                 (block_stride, 1, head_stride, block_size), base)
+    return tensor.as_strided((num_blocks, block_size, num_heads, head_size),
+                             (block_stride, head_size, head_stride, 1), base + block_size * head_size)

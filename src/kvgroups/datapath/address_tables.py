@@ -1,11 +1,12 @@
 """Address tables: where every byte a group's copies touch sits, read once from the bound tensors.
 
 A token group's table lists the base address of each (K/V plane, layer) in chunk order and the
-byte strides that locate a token inside a plane; a recurrent group's table lists each (layer,
-state tensor) with its slot stride and where its bytes go in a chunk row. The kernels that copy
-from a table (numba on the CPU, Triton on CUDA) trust it; everything they are handed was checked
-when the caches were bound and when the call's slots were. A table holds the tensors it points
-into, so they stay alive while it is used, and :meth:`still_valid` tells when one was moved.
+byte strides that locate a token inside a plane (one table per run of planes located alike); a
+recurrent group's table lists each (layer, state tensor) with its slot stride and where its bytes
+go in a chunk row. The kernels that copy from a table (numba on the CPU, Triton on CUDA) trust
+it; everything they are handed was checked when the caches were bound and when the call's slots
+were. A table holds the tensors it points into, so they stay alive while it is used, and
+:meth:`still_valid` tells when one was moved.
 """
 
 from __future__ import annotations
@@ -22,17 +23,21 @@ from kvgroups.layouts import KVLayout, to_token_major
 
 @dataclass(frozen=True, eq=False)
 class TokenTable:
-    """Byte addresses of a token group: plane ``p`` of layer ``l`` at ``bases[p * num_layers + l]``.
+    """Byte addresses of planes ``first_plane ..`` of a token group: plane ``p`` of layer ``l`` at
+    ``bases[(p - first_plane) * num_layers + l]``.
 
     Token ``(block, offset)`` of a plane starts ``block * block_stride + offset * offset_stride``
-    bytes after its base. In the cache a token's row is ``units`` contiguous pieces of
-    ``unit_bytes``, ``unit_stride`` bytes apart (one piece in NHD layouts, one per head in HND);
-    in a chunk it is one contiguous run of ``row_bytes``.
+    bytes after its base. In the cache a token's row is ``units`` pieces of ``unit_bytes``,
+    ``unit_stride`` bytes apart (one piece in NHD layouts, one per head in HND); a piece's
+    elements of ``element_bytes`` are ``element_stride`` bytes apart (contiguous unless the
+    layout transposes a page, as vLLM's CPU pages do for K). In a chunk a token's row is one
+    contiguous run of ``row_bytes``.
     """
 
     tensors: tuple[torch.Tensor, ...]  # every tensor addressed, kept alive
     pointers: tuple[int, ...]  # their data_ptr() when the table was built
     bases: torch.Tensor  # int64 [num_planes * num_layers], on the CPU
+    first_plane: int
     num_planes: int
     num_layers: int
     block_stride: int
@@ -41,6 +46,17 @@ class TokenTable:
     units: int
     unit_bytes: int
     unit_stride: int
+    element_bytes: int
+    element_stride: int
+
+    @property
+    def elements_contiguous(self) -> bool:
+        return self.element_stride == self.element_bytes
+
+    @property
+    def rows_contiguous(self) -> bool:
+        """Whether a token's row is one contiguous piece in the cache."""
+        return self.units == 1 and self.elements_contiguous
 
     def still_valid(self) -> bool:
         """Whether every addressed tensor still has the memory it had (no ``resize_`` / ``set_`` since)."""
@@ -70,36 +86,47 @@ class StateTable:
         return all(tensor.data_ptr() == pointer for tensor, pointer in zip(self.tensors, self.pointers, strict=True))
 
 
-def token_table(layout: KVLayout, layers: Sequence[Tensors]) -> TokenTable | None:
-    """The table of a token group's layer tensors, or None when they cannot share one.
+def token_tables(layout: KVLayout, layers: Sequence[Tensors]) -> tuple[TokenTable, ...] | None:
+    """The tables of a token group's layer tensors (one per run of planes located alike), or None.
 
-    None when the layers' tensors differ in strides (each plane must be located the same way) or a
-    head's elements are not contiguous.
+    Planes whose tokens sit alike (NHD and HND layouts: all of them) share one table; a layout
+    whose K and V pages differ (``VLLM_CPU``) gets one per plane. None when the layers' tensors
+    differ in strides (each plane must be located the same way in every layer).
     """
     planes = [kv_planes(layout, tensors) for tensors in layers]
-    first = planes[0][0][0]
-    strides = first.stride()
+    strides = planes[0][0][0].stride()
     if any(tensor.stride() != strides for layer in planes for tensor, _ in layer):
         return None
     views = [[to_token_major(layout, tensor, plane) for tensor, plane in layer] for layer in planes]
+    tensors = tuple({id(tensor): tensor for layer in planes for tensor, _ in layer}.values())
+    tables: list[TokenTable] = []
+    first = 0
+    for plane in range(1, len(planes[0]) + 1):
+        if plane == len(planes[0]) or views[0][plane].stride() != views[0][first].stride():
+            tables.append(_plane_table(tensors, [layer[first:plane] for layer in views], first))
+            first = plane
+    return tuple(tables)
+
+
+def _plane_table(tensors: tuple[torch.Tensor, ...], views: list[list[torch.Tensor]], first_plane: int) -> TokenTable:
+    """The table of planes ``first_plane ..`` whose token-major ``views`` (per layer) share strides."""
     _, _, num_heads, head_size = views[0][0].shape
     block_stride, offset_stride, head_stride, element_stride = views[0][0].stride()
-    if element_stride != 1 and head_size > 1:
-        return None
-    item = first.element_size()
-    rows_contiguous = head_stride == head_size or num_heads == 1
-    num_planes = len(planes[0])
+    item = views[0][0].element_size()
+    if head_size == 1:
+        element_stride = 1
+    rows_contiguous = element_stride == 1 and (head_stride == head_size or num_heads == 1)
+    num_planes = len(views[0])
     # Chunk order: plane-major, then layer (a chunk is [kv_size, num_layers, tokens, hidden]).
     bases = [int(views[layer][plane].data_ptr()) for plane in range(num_planes) for layer in range(len(views))]
-    tensors = tuple({id(tensor): tensor for layer in planes for tensor, _ in layer}.values())
     return TokenTable(
         tensors=tensors, pointers=tuple(tensor.data_ptr() for tensor in tensors),
-        bases=torch.tensor(bases, dtype=torch.int64), num_planes=num_planes, num_layers=len(views),
-        block_stride=block_stride * item, offset_stride=offset_stride * item,
+        bases=torch.tensor(bases, dtype=torch.int64), first_plane=first_plane, num_planes=num_planes,
+        num_layers=len(views), block_stride=block_stride * item, offset_stride=offset_stride * item,
         row_bytes=num_heads * head_size * item,
         units=1 if rows_contiguous else num_heads,
         unit_bytes=(num_heads if rows_contiguous else 1) * head_size * item,
-        unit_stride=head_stride * item,
+        unit_stride=head_stride * item, element_bytes=item, element_stride=element_stride * item,
     )
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kvgroups.datapath.address_tables import state_table, token_table
+from kvgroups.datapath.address_tables import state_table, token_tables
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.torch_copy import StateCopier, TokenCopier
 from kvgroups.errors import KVGroupsError
@@ -83,15 +83,15 @@ def choose_kernel(device: torch.device, requested: str | None = None) -> str:
 def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequence[Tensors],
                  num_threads: int | None) -> tuple[str, Copier]:
     """The copier of one token-indexed group, and the kernel it uses."""
-    table = None if kernel == "torch" else token_table(layout, layers)
-    if table is not None and kernel == "numba":
+    tables = None if kernel == "torch" else token_tables(layout, layers)
+    if tables is not None and kernel == "numba":
         from kvgroups.datapath.numba_copy import NumbaTokenCopier  # noqa: PLC0415 - numba/triton load on use
 
-        return kernel, NumbaTokenCopier(table, block_size, num_threads)
-    if table is not None and kernel == "triton":
+        return kernel, NumbaTokenCopier(tables, block_size, num_threads)
+    if tables is not None and kernel == "triton":
         from kvgroups.datapath.triton_copy import TritonTokenCopier  # noqa: PLC0415 - numba/triton load on use
 
-        return kernel, TritonTokenCopier(table, block_size)
+        return kernel, TritonTokenCopier(tables, block_size)
     return "torch", TokenCopier(layout, block_size, layers)
 
 

@@ -17,19 +17,22 @@ Importing this module imports numba; the data path does so only when the kernel 
 from __future__ import annotations
 
 import math
-import platform
 import threading
 from typing import Any
 
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from kvgroups.datapath.address_tables import StateTable, TokenTable
+from kvgroups.datapath.numba_moves import (
+    STREAMING_STORES,
+    VECTOR_BYTES,
+    copy_piece,
+    copy_pieces,
+    move_element,
+)
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.errors import KVGroupsError
 from kvgroups.sizes import MIB
@@ -40,64 +43,7 @@ PARALLEL_MIN_BYTES = 4 * MIB
 STREAMING_MIN_BYTES = 4 * MIB
 # numba's default threading layer (workqueue) must not run two parallel regions at once.
 _PARALLEL_LOCK = threading.Lock()
-
-
-# x86 stores that bypass the cache (and the fence that orders them); elsewhere plain vector stores.
-_STREAMING_STORES = platform.machine().lower() in ("x86_64", "amd64")
-_VECTOR_BYTES = 32  # one AVX register
 _LOCKSTEP_MAX_BYTES = 8192  # runs up to this long are copied four at a time
-
-
-def _row_copier(rows: int, streaming: bool) -> Any:
-    """An intrinsic copying ``rows`` runs of the same length at once, 32 bytes of each in turn.
-
-    Copying several runs in lockstep keeps several cache misses in flight, which is what a
-    gather of scattered token rows is bound by. ``streaming`` stores bypass the cache (the
-    destination is written once and not read soon) and need 32-byte aligned destinations and
-    lengths; the caller checks that before choosing them.
-    """
-
-    @intrinsic
-    def copy_rows(typingctx: Any, destinations: Any, sources: Any, num_bytes: Any) -> Any:
-        signature = types.void(types.UniTuple(types.int64, rows), types.UniTuple(types.int64, rows), types.int64)
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            targets, origins, count = args
-            word = ir.IntType(64)
-            vector = ir.VectorType(word, _VECTOR_BYTES // 8).as_pointer()
-            target = [builder.extract_value(targets, row) for row in range(rows)]
-            origin = [builder.extract_value(origins, row) for row in range(rows)]
-            steps = builder.udiv(count, ir.Constant(word, _VECTOR_BYTES))
-            with cgutils.for_range(builder, steps) as loop:
-                offset = builder.mul(loop.index, ir.Constant(word, _VECTOR_BYTES))
-                values = [builder.load(builder.inttoptr(builder.add(at, offset), vector), align=1) for at in origin]
-                for at, value in zip(target, values, strict=True):
-                    store = builder.store(value, builder.inttoptr(builder.add(at, offset), vector),
-                                          align=_VECTOR_BYTES if streaming else 1)
-                    if streaming:
-                        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-            done = builder.mul(steps, ir.Constant(word, _VECTOR_BYTES))
-            rest = builder.sub(count, done)
-            for at, source in zip(target, origin, strict=True):
-                cgutils.raw_memcpy(
-                    builder, builder.inttoptr(builder.add(at, done), cgutils.voidptr_t),
-                    builder.inttoptr(builder.add(source, done), cgutils.voidptr_t), rest,
-                    context.get_constant(types.intp, 1),
-                )
-            if streaming:
-                fence = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                       "llvm.x86.sse.sfence")
-                builder.call(fence, [])
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return copy_rows
-
-
-_copy_4 = _row_copier(4, streaming=False)
-_stream_1 = _row_copier(1, streaming=_STREAMING_STORES)
-_stream_4 = _row_copier(4, streaming=_STREAMING_STORES)
 
 
 @njit(nogil=True, cache=True)
@@ -125,38 +71,6 @@ def _token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: i
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _copy_pieces(targets: Any, sources: Any, num_bytes: int, streaming: bool) -> None:
-    if streaming:
-        _stream_4(targets, sources, num_bytes)
-    else:
-        _copy_4(targets, sources, num_bytes)
-
-
-@intrinsic
-def _memcpy(typingctx: Any, destination: Any, source: Any, num_bytes: Any) -> Any:
-    """libc's memcpy between two raw addresses given as int64 (through LLVM's memcpy intrinsic)."""
-    signature = types.void(types.int64, types.int64, types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        target, origin, count = args
-        cgutils.raw_memcpy(
-            builder, builder.inttoptr(target, cgutils.voidptr_t), builder.inttoptr(origin, cgutils.voidptr_t),
-            count, context.get_constant(types.intp, 1),
-        )
-        return context.get_dummy_value()
-
-    return signature, codegen
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _copy_piece(target: int, source: int, num_bytes: int, streaming: bool) -> None:
-    if streaming:
-        _stream_1((target,), (source,), num_bytes)
-    else:
-        _memcpy(target, source, num_bytes)
-
-
-@njit(nogil=True, cache=True, inline="always")
 def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, first: Any, offset: Any,
                length: Any, scatter: bool, streaming: bool) -> None:
     """Runs ``4q .. 4q + 3`` of one (plane, layer): in lockstep when they are as long, else one by one."""
@@ -173,56 +87,75 @@ def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: in
         chunks = (chunk + (rows + first[run]) * row_bytes, chunk + (rows + first[run + 1]) * row_bytes,
                   chunk + (rows + first[run + 2]) * row_bytes, chunk + (rows + first[run + 3]) * row_bytes)
         if scatter:
-            _copy_pieces(caches, chunks, length[run] * row_bytes, streaming)
+            copy_pieces(caches, chunks, length[run] * row_bytes, streaming)
         else:
-            _copy_pieces(chunks, caches, length[run] * row_bytes, streaming)
+            copy_pieces(chunks, caches, length[run] * row_bytes, streaming)
         return
     for each in range(run, min(run + 4, first.shape[0])):
         cache_at = base + offset[each]
         chunk_at = chunk + (rows + first[each]) * row_bytes
         if scatter:
-            _copy_piece(cache_at, chunk_at, length[each] * row_bytes, streaming)
+            copy_piece(cache_at, chunk_at, length[each] * row_bytes, streaming)
         else:
-            _copy_piece(chunk_at, cache_at, length[each] * row_bytes, streaming)
+            copy_piece(chunk_at, cache_at, length[each] * row_bytes, streaming)
+
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, offset: Any, units: int,
-                unit_bytes: int, unit_stride: int, scatter: bool) -> None:
-    """One token of one (plane, layer) whose row is ``units`` strided pieces in the cache (HND)."""
+                unit_bytes: int, unit_stride: int, element_bytes: int, element_stride: int, scatter: bool) -> None:
+    """One token of one (plane, layer) whose row is ``units`` strided pieces in the cache (HND).
+
+    A piece whose elements are not contiguous (a transposed page) moves element by element.
+    """
     plane = item // num_tokens
     token = item - plane * num_tokens
     cache_at = bases[plane] + offset[token]
     chunk_at = chunk + (plane * num_tokens + token) * row_bytes
+    if element_stride == element_bytes:
+        for unit in range(units):
+            if scatter:
+                copy_piece(cache_at + unit * unit_stride, chunk_at + unit * unit_bytes, unit_bytes, False)
+            else:
+                copy_piece(chunk_at + unit * unit_bytes, cache_at + unit * unit_stride, unit_bytes, False)
+        return
+    elements = unit_bytes // element_bytes
     for unit in range(units):
-        if scatter:
-            _copy_piece(cache_at + unit * unit_stride, chunk_at + unit * unit_bytes, unit_bytes, False)
-        else:
-            _copy_piece(chunk_at + unit * unit_bytes, cache_at + unit * unit_stride, unit_bytes, False)
+        cache_unit = cache_at + unit * unit_stride
+        chunk_unit = chunk_at + unit * unit_bytes
+        for element in range(elements):
+            if scatter:
+                move_element(cache_unit + element * element_stride, chunk_unit + element * element_bytes,
+                              element_bytes)
+            else:
+                move_element(chunk_unit + element * element_bytes, cache_unit + element * element_stride,
+                              element_bytes)
 
 
 @njit(nogil=True, cache=True)
 def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int, first: Any, offset: Any,
-                        length: Any, units: int, unit_bytes: int, unit_stride: int, scatter: bool,
-                        streaming: bool) -> None:
-    if units == 1:
+                        length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
+                        element_stride: int, scatter: bool, streaming: bool) -> None:
+    if units == 1 and element_stride == element_bytes:
         for item in range(bases.shape[0] * ((first.shape[0] + 3) // 4)):
             _copy_quad(item, bases, chunk, num_tokens, row_bytes, first, offset, length, scatter, streaming)
     else:
         for item in range(bases.shape[0] * num_tokens):
-            _copy_heads(item, bases, chunk, num_tokens, row_bytes, offset, units, unit_bytes, unit_stride, scatter)
+            _copy_heads(item, bases, chunk, num_tokens, row_bytes, offset, units, unit_bytes, unit_stride,
+                        element_bytes, element_stride, scatter)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _copy_tokens_parallel(bases: Any, chunk: int, num_tokens: int, row_bytes: int, first: Any, offset: Any,
-                          length: Any, units: int, unit_bytes: int, unit_stride: int, scatter: bool,
-                          streaming: bool) -> None:
-    if units == 1:
+                          length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
+                          element_stride: int, scatter: bool, streaming: bool) -> None:
+    if units == 1 and element_stride == element_bytes:
         for item in prange(bases.shape[0] * ((first.shape[0] + 3) // 4)):
             _copy_quad(item, bases, chunk, num_tokens, row_bytes, first, offset, length, scatter, streaming)
     else:
         for item in prange(bases.shape[0] * num_tokens):
-            _copy_heads(item, bases, chunk, num_tokens, row_bytes, offset, units, unit_bytes, unit_stride, scatter)
+            _copy_heads(item, bases, chunk, num_tokens, row_bytes, offset, units, unit_bytes, unit_stride,
+                        element_bytes, element_stride, scatter)
 
 
 @njit(nogil=True, cache=True)
@@ -235,9 +168,9 @@ def _copy_states(bases: Any, slot_strides: Any, unit_bytes: Any, columns: Any, l
         cache_at = bases[entry] + indices[position] * slot_strides[entry]
         chunk_at = chunk + (layers[entry] * count + position) * row_bytes + columns[entry]
         if scatter:
-            _copy_piece(cache_at, chunk_at, unit_bytes[entry], False)
+            copy_piece(cache_at, chunk_at, unit_bytes[entry], False)
         else:
-            _copy_piece(chunk_at, cache_at, unit_bytes[entry], False)
+            copy_piece(chunk_at, cache_at, unit_bytes[entry], False)
 
 
 def _check_moved(table: TokenTable | StateTable) -> None:
@@ -248,42 +181,51 @@ def _check_moved(table: TokenTable | StateTable) -> None:
 
 
 class NumbaTokenCopier:
-    """The copies of one token-indexed group through :func:`_copy_tokens_serial` / ``_parallel``."""
+    """The copies of one token-indexed group through :func:`_copy_tokens_serial` / ``_parallel``.
 
-    def __init__(self, table: TokenTable, block_size: int, num_threads: int | None) -> None:
-        self.table = table
+    One kernel call per address table (one for most layouts, one per plane where K and V pages
+    are laid out differently).
+    """
+
+    def __init__(self, tables: tuple[TokenTable, ...], block_size: int, num_threads: int | None) -> None:
+        self.tables = tables
         self.block_size = block_size
         self.num_threads = num_threads
-        self.bases = table.bases.numpy()
-        # Tokens merge into one run only when a row is one piece in the cache.
-        self.merge = table.units == 1
+        self.bases = [table.bases.numpy() for table in tables]
         # What every cache-side row address is a multiple of (bases and the strides between rows).
-        self.cache_alignment = math.gcd(table.block_stride, table.offset_stride, *(int(base) for base in self.bases))
+        self.cache_alignment = [
+            math.gcd(table.block_stride, table.offset_stride, *(int(base) for base in bases))
+            for table, bases in zip(tables, self.bases, strict=True)
+        ]
 
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
         if call.cpu_slots is None or not call.num_tokens:
             return
-        table = self.table
-        _check_moved(table)
-        first, offset, length = _token_runs(
-            call.cpu_slots.numpy(), self.block_size, table.block_stride, table.offset_stride, table.row_bytes,
-            self.merge,
-        )
         num_bytes = chunk.numel() * chunk.element_size()
-        # Stores that bypass the cache pay off where the written rows are not read soon: the caches
-        # (unpack), and chunks too large to stay cached (pack). They need 32-byte aligned rows.
-        streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.units == 1
-                     and (self.cache_alignment if scatter else chunk.data_ptr()) % _VECTOR_BYTES == 0
-                     and table.row_bytes % _VECTOR_BYTES == 0)
-        arguments = (self.bases, chunk.data_ptr(), call.num_tokens, table.row_bytes, first, offset, length,
-                     table.units, table.unit_bytes, table.unit_stride, scatter, streaming)
         threads = self.num_threads or torch.get_num_threads()
-        if threads > 1 and num_bytes >= PARALLEL_MIN_BYTES:
-            with _PARALLEL_LOCK:
-                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-                _copy_tokens_parallel(*arguments)
-        else:
-            _copy_tokens_serial(*arguments)
+        parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
+        slots = call.cpu_slots.numpy()
+        for table, bases, cache_alignment in zip(self.tables, self.bases, self.cache_alignment, strict=True):
+            _check_moved(table)
+            # Tokens merge into one run only when a row is one piece in the cache.
+            first, offset, length = _token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
+                                                table.row_bytes, table.rows_contiguous)
+            chunk_at = chunk.data_ptr() + table.first_plane * table.num_layers * call.num_tokens * table.row_bytes
+            # Stores that bypass the cache pay off where the written rows are not read soon: the
+            # caches (unpack), and chunks too large to stay cached (pack). They need 32-byte
+            # aligned rows.
+            streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous
+                         and (cache_alignment if scatter else chunk_at) % VECTOR_BYTES == 0
+                         and table.row_bytes % VECTOR_BYTES == 0)
+            arguments = (bases, chunk_at, call.num_tokens, table.row_bytes, first, offset, length, table.units,
+                         table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride, scatter,
+                         streaming)
+            if parallel:
+                with _PARALLEL_LOCK:
+                    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+                    _copy_tokens_parallel(*arguments)
+            else:
+                _copy_tokens_serial(*arguments)
 
 
 class NumbaStateCopier:
@@ -314,10 +256,11 @@ def warm_up() -> None:
     bases = np.array([source.ctypes.data], dtype=np.int64)
     slots = np.array([0, 1], dtype=np.int64)
     first, offset, length = _token_runs(slots, 2, 64, 32, 32, True)
-    for streaming in (False, _STREAMING_STORES):
-        _copy_tokens_serial(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, False, streaming)
+    for streaming in (False, STREAMING_STORES):
+        _copy_tokens_serial(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
+                            streaming)
         with _PARALLEL_LOCK:
-            _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, False,
+            _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                                   streaming)
     if not np.array_equal(source, target):
         raise RuntimeError("the numba copy kernel failed its warm-up copy")

@@ -76,6 +76,8 @@ def row_map(layout: KVLayout, tensor: torch.Tensor) -> RowMap | None:
     num_blocks, block_size, num_heads, head_size = token_major[0].shape
     block_stride, offset_stride, head_stride, element_stride = token_major[0].stride()
     hidden = num_heads * head_size
+    if any(view.stride() != token_major[0].stride() for view in token_major[1:]):
+        return None  # K and V pages laid out differently (VLLM_CPU)
     if (element_stride != 1 and head_size > 1) or (head_stride != head_size and num_heads > 1):
         return None
     if block_stride % hidden or offset_stride % hidden:

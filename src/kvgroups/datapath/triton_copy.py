@@ -35,7 +35,7 @@ def _word(*byte_quantities: int) -> torch.dtype:
 
 @triton.jit
 def _copy_rows(bases, offsets, chunk, num_tokens, row_words, units, unit_words, unit_stride_words,
-               scatter: tl.constexpr, block: tl.constexpr) -> None:
+               element_words, element_stride_words, scatter: tl.constexpr, block: tl.constexpr) -> None:
     plane = tl.program_id(0)
     token = tl.program_id(1)
     address = tl.load(bases + plane) + tl.load(offsets + token)
@@ -45,11 +45,14 @@ def _copy_rows(bases, offsets, chunk, num_tokens, row_words, units, unit_words, 
         for start in range(0, unit_words, block):
             index = start + tl.arange(0, block)
             mask = index < unit_words
+            # Word `index` of a piece is word `index % element_words` of element `index //
+            # element_words`; elements lie element_stride_words apart (1 and 1: contiguous words).
+            spread = (index // element_words) * element_stride_words + index % element_words
             if scatter:
                 words = tl.load(row + unit * unit_words + index, mask=mask)
-                tl.store(cache + unit * unit_stride_words + index, words, mask=mask)
+                tl.store(cache + unit * unit_stride_words + spread, words, mask=mask)
             else:
-                words = tl.load(cache + unit * unit_stride_words + index, mask=mask)
+                words = tl.load(cache + unit * unit_stride_words + spread, mask=mask)
                 tl.store(row + unit * unit_words + index, words, mask=mask)
 
 
@@ -83,29 +86,40 @@ def _chunk_words(chunk: torch.Tensor, word: torch.dtype) -> torch.Tensor:
 
 
 class TritonTokenCopier:
-    """The copies of one token-indexed group through :func:`_copy_rows`."""
+    """The copies of one token-indexed group through :func:`_copy_rows`, one launch per address table."""
 
-    def __init__(self, table: TokenTable, block_size: int) -> None:
-        self.table = table
+    def __init__(self, tables: tuple[TokenTable, ...], block_size: int) -> None:
+        self.tables = tables
         self.block_size = block_size
-        device = table.tensors[0].device
-        self.bases = table.bases.to(device)
-        self.word = _word(table.row_bytes, table.unit_bytes, table.unit_stride, table.block_stride,
-                          table.offset_stride, *(int(base) for base in table.bases.tolist()))
+        device = tables[0].tensors[0].device
+        self.bases = [table.bases.to(device) for table in tables]
+        quantities = [quantity for table in tables for quantity in (
+            table.row_bytes, table.unit_bytes, table.unit_stride, table.block_stride, table.offset_stride,
+            *(int(base) for base in table.bases.tolist()),
+            # Elements that are not contiguous move in words no wider than an element.
+            *(() if table.elements_contiguous else (table.element_bytes, table.element_stride)),
+        )]
+        self.word = _word(*quantities)
 
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
         if call.slots is None or not call.num_tokens:
             return
-        table = self.table
-        _check_moved(table)
         words = _chunk_words(chunk, self.word)
         size = words.element_size()
         blocks = torch.div(call.slots, self.block_size, rounding_mode="floor")
-        offsets = blocks * table.block_stride + (call.slots - blocks * self.block_size) * table.offset_stride
-        # Addresses and offsets are bytes; sizes and strides are words (each divides by the word size).
-        grid: Any = (table.num_planes * table.num_layers, call.num_tokens)
-        _copy_rows[grid](self.bases, offsets, words, call.num_tokens, table.row_bytes // size, table.units,
-                         table.unit_bytes // size, table.unit_stride // size, scatter=scatter, block=_BLOCK)
+        in_block = call.slots - blocks * self.block_size
+        for table, bases in zip(self.tables, self.bases, strict=True):
+            _check_moved(table)
+            offsets = blocks * table.block_stride + in_block * table.offset_stride
+            element_words, element_stride_words = (
+                (1, 1) if table.elements_contiguous else (table.element_bytes // size, table.element_stride // size)
+            )
+            rows = words[table.first_plane * table.num_layers * call.num_tokens * (table.row_bytes // size):]
+            # Addresses and offsets are bytes; sizes and strides are words (each divides by the word size).
+            grid: Any = (table.num_planes * table.num_layers, call.num_tokens)
+            _copy_rows[grid](bases, offsets, rows, call.num_tokens, table.row_bytes // size, table.units,
+                             table.unit_bytes // size, table.unit_stride // size, element_words,
+                             element_stride_words, scatter=scatter, block=_BLOCK)
 
 
 class TritonStateCopier:

@@ -1,0 +1,141 @@
+"""Raw-memory moves for the numba kernel: LLVM intrinsics over addresses given as int64.
+
+Vector copies of several runs in lockstep (optionally with stores that bypass the cache), libc's
+memcpy, and single elements of 1 to 8 bytes. Everything here trusts its addresses; the kernel in
+:mod:`kvgroups.datapath.numba_copy` computes them from checked address tables.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# x86 stores that bypass the cache (and the fence that orders them); elsewhere plain vector stores.
+STREAMING_STORES = platform.machine().lower() in ("x86_64", "amd64")
+VECTOR_BYTES = 32  # one AVX register
+
+
+def _row_copier(rows: int, streaming: bool) -> Any:
+    """An intrinsic copying ``rows`` runs of the same length at once, 32 bytes of each in turn.
+
+    Copying several runs in lockstep keeps several cache misses in flight, which is what a
+    gather of scattered token rows is bound by. ``streaming`` stores bypass the cache (the
+    destination is written once and not read soon) and need 32-byte aligned destinations and
+    lengths; the caller checks that before choosing them.
+    """
+
+    @intrinsic
+    def copy_rows(typingctx: Any, destinations: Any, sources: Any, num_bytes: Any) -> Any:
+        signature = types.void(types.UniTuple(types.int64, rows), types.UniTuple(types.int64, rows), types.int64)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            targets, origins, count = args
+            word = ir.IntType(64)
+            vector = ir.VectorType(word, VECTOR_BYTES // 8).as_pointer()
+            target = [builder.extract_value(targets, row) for row in range(rows)]
+            origin = [builder.extract_value(origins, row) for row in range(rows)]
+            steps = builder.udiv(count, ir.Constant(word, VECTOR_BYTES))
+            with cgutils.for_range(builder, steps) as loop:
+                offset = builder.mul(loop.index, ir.Constant(word, VECTOR_BYTES))
+                values = [builder.load(builder.inttoptr(builder.add(at, offset), vector), align=1) for at in origin]
+                for at, value in zip(target, values, strict=True):
+                    store = builder.store(value, builder.inttoptr(builder.add(at, offset), vector),
+                                          align=VECTOR_BYTES if streaming else 1)
+                    if streaming:
+                        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            done = builder.mul(steps, ir.Constant(word, VECTOR_BYTES))
+            rest = builder.sub(count, done)
+            for at, source in zip(target, origin, strict=True):
+                cgutils.raw_memcpy(
+                    builder, builder.inttoptr(builder.add(at, done), cgutils.voidptr_t),
+                    builder.inttoptr(builder.add(source, done), cgutils.voidptr_t), rest,
+                    context.get_constant(types.intp, 1),
+                )
+            if streaming:
+                fence = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                       "llvm.x86.sse.sfence")
+                builder.call(fence, [])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return copy_rows
+
+
+_copy_4 = _row_copier(4, streaming=False)
+_stream_1 = _row_copier(1, streaming=STREAMING_STORES)
+_stream_4 = _row_copier(4, streaming=STREAMING_STORES)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def copy_pieces(targets: Any, sources: Any, num_bytes: int, streaming: bool) -> None:
+    if streaming:
+        _stream_4(targets, sources, num_bytes)
+    else:
+        _copy_4(targets, sources, num_bytes)
+
+
+@intrinsic
+def memcpy(typingctx: Any, destination: Any, source: Any, num_bytes: Any) -> Any:
+    """libc's memcpy between two raw addresses given as int64 (through LLVM's memcpy intrinsic)."""
+    signature = types.void(types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        target, origin, count = args
+        cgutils.raw_memcpy(
+            builder, builder.inttoptr(target, cgutils.voidptr_t), builder.inttoptr(origin, cgutils.voidptr_t),
+            count, context.get_constant(types.intp, 1),
+        )
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def copy_piece(target: int, source: int, num_bytes: int, streaming: bool) -> None:
+    if streaming:
+        _stream_1((target,), (source,), num_bytes)
+    else:
+        memcpy(target, source, num_bytes)
+
+
+def _element_mover(width: int) -> Any:
+    """An intrinsic moving one ``width``-byte element between two raw addresses (unaligned)."""
+
+    @intrinsic
+    def move(typingctx: Any, destination: Any, source: Any) -> Any:
+        signature = types.void(types.int64, types.int64)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            target, origin = args
+            pointer = ir.IntType(8 * width).as_pointer()
+            value = builder.load(builder.inttoptr(origin, pointer), align=1)
+            builder.store(value, builder.inttoptr(target, pointer), align=1)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return move
+
+
+_move_1, _move_2, _move_4, _move_8 = (_element_mover(width) for width in (1, 2, 4, 8))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def move_element(target: int, source: int, width: int) -> None:
+    if width == 2:
+        _move_2(target, source)
+    elif width == 4:
+        _move_4(target, source)
+    elif width == 1:
+        _move_1(target, source)
+    elif width == 8:
+        _move_8(target, source)
+    else:
+        memcpy(target, source, width)
+
