@@ -289,3 +289,31 @@ def test_mla_and_multi_tier_round_trip(tmp_path: Path) -> None:
     expected = torch.cat([chunk_tensors(store, tokens, chunk)[0] for chunk in range(3)], dim=2)
     assert torch.equal(loaded.groups[0].tensor, expected)
     store.close()
+
+
+def test_request_salts_keys_partial_saves_and_verify() -> None:
+    tokens = list(range(24))
+    shared = MemoryStore()
+    store = KVChunkStore(build_metadata([("full", 0), ("recurrent", 0)]), shared, chunk_size=8)
+    plain, salted = store.keys(tokens), store.keys(tokens, request_salt="cache-salt-1")
+    assert len(plain) == len(salted) == 3 and not set(plain) & set(salted)
+    assert store.keys(tokens, request_salt=b"cache-salt-1") == salted
+    # Chunk 0 whole; chunk 1 without its state (the step did not end there); chunk 2 whole.
+    for chunk, groups in ((0, (0, 1)), (1, (0,)), (2, (0, 1))):
+        tensors = chunk_tensors(store, tokens, chunk)
+        store.save_chunk(salted[chunk], chunk, {group: tensors[group] for group in groups})
+    store.flush()
+    assert store.lookup(tokens) == 0  # the unsalted keys name nothing
+    assert store.lookup(None, keys=salted) == 24
+    assert store.lookup(None, keys=salted[:2]) == 8  # no state at 16 tokens
+    loaded = store.load(None, 24, keys=salted)
+    assert loaded.num_tokens == 24
+    assert torch.equal(loaded.groups[1].tensor, chunk_tensors(store, tokens, 2)[1])
+    assert store.verify(None, 24, keys=salted) == 24
+    shared.put(store.entry_key(salted[2], 1), b"garbage")
+    assert store.lookup(None, keys=salted) == 24  # present as far as the store can tell...
+    assert store.verify(None, 24, keys=salted) == 8  # ...but unreadable: 16 has no state, so 8
+    with pytest.raises(KVGroupsError, match=r"num_tokens 32 is beyond the 3 keys given"):
+        store.verify(None, 32, keys=salted)
+    with pytest.raises(KVGroupsError, match=r"save names groups \[2\]"):
+        store.save_chunk(salted[0], 0, {2: chunk_tensors(store, tokens, 0)[0]})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -96,9 +96,19 @@ class KVChunkStore:
         self._failed_at = -RETRY_AFTER_SECONDS
 
     # --- keys and needs -------------------------------------------------------------------
-    def keys(self, token_ids: TokenIds) -> list[str]:
-        """One prefix key per full chunk of ``token_ids``."""
-        return prefix_keys(token_ids, self.chunk_size, self.namespace)
+    def keys(self, token_ids: TokenIds, *, request_salt: str | bytes = "") -> list[str]:
+        """One prefix key per full chunk of ``token_ids``.
+
+        ``request_salt`` narrows the keys to requests sharing it (a tenant's cache salt, a LoRA
+        adapter, the multimodal inputs behind placeholder tokens): the same tokens with
+        another salt never share a key.
+        """
+        if isinstance(request_salt, str):
+            request_salt = request_salt.encode("utf-8")
+        if not isinstance(request_salt, bytes):
+            raise TypeError(f"request_salt must be a str or bytes, got {type(request_salt).__name__}")
+        namespace = self.namespace + b"\0request-salt\0" + request_salt if request_salt else self.namespace
+        return prefix_keys(token_ids, self.chunk_size, namespace)
 
     @staticmethod
     def entry_key(prefix_key: str, group_index: int) -> str:
@@ -155,19 +165,36 @@ class KVChunkStore:
         tensors = list(tensors)
         if len(tensors) != len(self.groups):
             raise KVGroupsError(f"save got {len(tensors)} tensors for {len(self.groups)} groups; pass one per group")
-        infos = [self._info(keys[chunk_index], index, chunk_index) for index in range(len(self.groups))]
-        for info, tensor in zip(infos, tensors, strict=True):
+        self.save_chunk(keys[chunk_index], chunk_index, dict(enumerate(tensors)))
+
+    def save_chunk(self, key: str, chunk_index: int, tensors: Mapping[int, torch.Tensor]) -> None:
+        """Save the entries of some groups (``group index -> tensor``) of the chunk whose prefix key is ``key``.
+
+        What :meth:`save` does for every group; a caller that has only some groups' data for a
+        chunk (a sliding window that moved on, a state that is not at this boundary) saves those,
+        and lookups treat the others as missing.
+        """
+        if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or chunk_index < 0:
+            raise KVGroupsError(f"chunk_index must be an int >= 0, got {chunk_index!r}")
+        bad_groups = [index for index in tensors if not (isinstance(index, int) and 0 <= index < len(self.groups))]
+        if bad_groups:
+            raise KVGroupsError(f"save names groups {bad_groups}; these {len(self.groups)} groups are 0.."
+                                f"{len(self.groups) - 1}")
+        infos = [self._info(key, index, chunk_index) for index in sorted(tensors)]
+        for info in infos:
+            tensor = tensors[info.group_index]
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
                 shown = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
                 raise KVGroupsError(f"tensor for group {info.group_index} is {shown}; the group stores "
                                     f"{info.dtype} {list(info.shape)} per chunk")
-
+        if not infos:
+            return
         if not self._available():
             self.stats.dropped_saves += 1
             return
 
         def write() -> None:
-            values = [(info.key, encode_entry(tensor, info)) for info, tensor in zip(infos, tensors, strict=True)]
+            values = [(info.key, encode_entry(tensors[info.group_index], info)) for info in infos]
             try:
                 self.store.put_many(values)
             except OSError as error:
@@ -183,9 +210,12 @@ class KVChunkStore:
         self._writer.flush()
 
     # --- lookup and load ------------------------------------------------------------------
-    def lookup(self, token_ids: TokenIds) -> int:
-        """The longest stored prefix of ``token_ids`` (a multiple of chunk_size) that every group can serve."""
-        keys = self.keys(token_ids)
+    def lookup(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None) -> int:
+        """The longest stored prefix of ``token_ids`` (a multiple of chunk_size) that every group can serve.
+
+        ``keys`` (from :meth:`keys`) stand for the tokens: pass either.
+        """
+        keys = self._keys_of(token_ids, keys)
         self.stats.lookups += 1
         if not keys:
             return 0
@@ -218,42 +248,80 @@ class KVChunkStore:
                 return num_chunks * self.chunk_size
         return 0
 
-    def load(self, token_ids: TokenIds, num_tokens: int) -> LoadedPrefix:
+    def load(self, token_ids: TokenIds | None, num_tokens: int, *,
+             keys: Sequence[str] | None = None) -> LoadedPrefix:
         """Read what every group needs to continue after ``num_tokens`` (a boundary ``lookup`` returned).
 
         Returns fewer tokens (down to 0) when entries turn out missing or corrupt: those are
         deleted and a shorter stored boundary is tried, so the result is always whole and exact.
+        ``keys`` (from :meth:`keys`, at least ``num_tokens / chunk_size`` of them) stand for the
+        tokens.
         """
-        tokens = token_array(token_ids)
-        if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0
-                or num_tokens % self.chunk_size or num_tokens > len(tokens)):
-            raise KVGroupsError(f"num_tokens {num_tokens!r} must be a multiple of chunk_size {self.chunk_size} "
-                                f"within the {len(tokens)} tokens given")
-        keys = self.keys(tokens[:num_tokens])
+        tensors, keys = self._read_boundary(token_ids, num_tokens, keys)
+        return self._assemble(tensors, len(keys))
+
+    def verify(self, token_ids: TokenIds | None, num_tokens: int, *, keys: Sequence[str] | None = None) -> int:
+        """The longest boundary up to ``num_tokens`` whose entries all read back whole: :meth:`load`, unassembled.
+
+        For a caller that must promise a hit before it loads (a scheduler): entries that are
+        missing or corrupt now cost a miss now, not a failed load later.
+        """
+        _, keys = self._read_boundary(token_ids, num_tokens, keys)
+        return len(keys) * self.chunk_size
+
+    def _keys_of(self, token_ids: TokenIds | None, keys: Sequence[str] | None) -> list[str]:
+        if keys is not None:
+            if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
+                raise TypeError("keys must be a sequence of str, as keys() returns them")
+            return list(keys)
+        if token_ids is None:
+            raise KVGroupsError("pass token_ids or keys")
+        return self.keys(token_ids)
+
+    def _read_boundary(self, token_ids: TokenIds | None, num_tokens: int,
+                       keys: Sequence[str] | None) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
+        """The entries at the longest readable boundary up to ``num_tokens``, and the keys up to it."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0 or \
+                num_tokens % self.chunk_size:
+            raise KVGroupsError(f"num_tokens {num_tokens!r} must be a multiple of chunk_size {self.chunk_size}")
+        if keys is None:
+            tokens = token_array(token_ids) if token_ids is not None else None
+            if tokens is None or num_tokens > len(tokens):
+                given = "no" if tokens is None else len(tokens)
+                raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {given} tokens given")
+            keys = self.keys(tokens[:num_tokens])
+        else:
+            keys = self._keys_of(None, keys)
+            if num_tokens > len(keys) * self.chunk_size:
+                raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {len(keys)} keys given")
+            keys = keys[: num_tokens // self.chunk_size]
         for _ in range(_LOAD_ATTEMPTS):
             if not keys:
-                return LoadedPrefix(num_tokens=0)
-            loaded = self._read(keys)
-            if loaded is not None:
-                return loaded
-            shorter = self.lookup(tokens[: (len(keys) - 1) * self.chunk_size])
+                return {}, []
+            tensors = self._read(keys)
+            if tensors is not None:
+                return tensors, keys
+            shorter = self.lookup(None, keys=keys[:-1]) if len(keys) > 1 else 0
             keys = keys[: shorter // self.chunk_size]
-        return LoadedPrefix(num_tokens=0)
+        return {}, []
 
-    def _read(self, keys: list[str]) -> LoadedPrefix | None:
-        """Every group's needed entries at boundary ``len(keys)``, or None when one is missing or bad."""
+    def _read(self, keys: list[str]) -> dict[tuple[int, int], torch.Tensor] | None:
+        """Every group's needed entries at boundary ``len(keys)``, by (group, chunk); None when one is bad.
+
+        An empty dict when the store is unavailable (the caller's miss).
+        """
         num_chunks = len(keys)
         wanted = [
             self._info(keys[chunk], group, chunk)
             for group in range(len(self.groups)) for chunk in self.needed_chunks(group, num_chunks)
         ]
         if not self._available():
-            return LoadedPrefix(num_tokens=0)
+            return None
         try:
             values = self.store.get_many([info.key for info in wanted])
         except OSError as error:
             self._failed("load", error)
-            return LoadedPrefix(num_tokens=0)
+            return None
         tensors: dict[tuple[int, int], torch.Tensor] = {}
         whole = True
         for info, value in zip(wanted, values, strict=True):
@@ -270,8 +338,11 @@ class KVChunkStore:
                 # If the delete fails it stays unusable all the same: every read checks it again.
                 with contextlib.suppress(OSError):
                     self.store.delete(info.key)
-        if not whole:
-            return None
+        return tensors if whole else None
+
+    def _assemble(self, tensors: dict[tuple[int, int], torch.Tensor], num_chunks: int) -> LoadedPrefix:
+        if not num_chunks:
+            return LoadedPrefix(num_tokens=0)
         parts = []
         for group in range(len(self.groups)):
             needed = self.needed_chunks(group, num_chunks)
