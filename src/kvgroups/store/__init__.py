@@ -5,11 +5,12 @@ in it, per group, keyed by ``prefix_keys``.
 """
 
 from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreStats
-from kvgroups.store.chunk_store import GroupPrefix, KVChunkStore, LoadedPrefix
+from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
 from kvgroups.store.files import FileStore
 from kvgroups.store.keys import chunk_namespace, prefix_keys
 from kvgroups.store.memory import MemoryStore
+from kvgroups.store.prefixes import GroupPrefix, LoadedPrefix
 from kvgroups.store.redis_store import RedisStore
 from kvgroups.store.tiered import TieredStore
 from kvgroups.store.urls import open_store

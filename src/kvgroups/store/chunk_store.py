@@ -1,12 +1,9 @@
 """``KVChunkStore``: chunks of every group saved per (chunk, group), and prefixes found and loaded whole.
 
-Each group is asked only for what it keeps (its spec's ``tokens_needed``): a full-attention or
-MLA group needs every chunk before a boundary, a sliding-window group only the chunks overlapping
-its window, a chunked-local group only the current attention chunk, a recurrent group only its
-state at the boundary (saved with the chunk that ends there). ``lookup`` returns the longest
-boundary at which every group has all of that; ``load`` reads exactly it and checks every entry
-(key, fingerprint, group, chunk, dtype, shape, checksum). A store that is down, full or corrupt
-costs misses, logged, never an exception in the request and never another request's KV.
+Each group is asked only for what it keeps (:mod:`kvgroups.store.prefixes`). ``lookup`` returns
+the longest boundary at which every group has all of that; ``load`` reads exactly it and checks
+every entry (key, fingerprint, group, chunk, dtype, shape, checksum). A store that is down, full
+or corrupt costs misses, logged, never an exception in the request and never another request's KV.
 """
 
 from __future__ import annotations
@@ -23,10 +20,10 @@ import torch
 from kvgroups.errors import KVGroupsError
 from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.metadata import LMCacheMetadata
-from kvgroups.sizes import ceil_div
 from kvgroups.store.base import ByteStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
 from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, token_array
+from kvgroups.store.prefixes import LoadedPrefix, assemble, needed_chunks
 from kvgroups.store.urls import StoreArg, open_store
 from kvgroups.store.writer import BackgroundWriter
 
@@ -37,28 +34,6 @@ _LOAD_ATTEMPTS = 4
 _WARNING_INTERVAL_SECONDS = 10.0
 # After a store fails, it is left alone this long: requests get misses at once instead of timeouts.
 RETRY_AFTER_SECONDS = 5.0
-
-
-@dataclass(frozen=True)
-class GroupPrefix:
-    """One group's part of a loaded prefix.
-
-    Token groups: ``tensor`` is ``[kv_size, num_layers, tokens, hidden_dim_size]`` holding tokens
-    ``first_token ..`` up to the boundary (all of them for full attention, the window for sliding
-    layers). Recurrent groups: ``[1, num_layers, 1, state_elements]``, the state at the boundary.
-    """
-
-    group_index: int
-    first_token: int
-    tensor: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LoadedPrefix:
-    """What ``load`` found: the first ``num_tokens`` tokens' caches, one part per group (none for 0)."""
-
-    num_tokens: int
-    groups: tuple[GroupPrefix, ...] = ()
 
 
 @dataclass
@@ -116,11 +91,7 @@ class KVChunkStore:
 
     def needed_chunks(self, group_index: int, num_chunks: int) -> range:
         """The chunks group ``group_index`` needs to continue after ``num_chunks`` full chunks."""
-        spec = self.groups[group_index].spec
-        if not spec.token_indexed:
-            return range(num_chunks - 1, num_chunks)  # the state saved with the chunk ending there
-        start, end = spec.tokens_needed(num_chunks * self.chunk_size)
-        return range(start // self.chunk_size, ceil_div(end, self.chunk_size)) if start < end else range(0)
+        return needed_chunks(self.groups[group_index].spec, num_chunks, self.chunk_size)
 
     def _info(self, key: str, group_index: int, chunk_index: int) -> EntryInfo:
         group = self.groups[group_index]
@@ -258,7 +229,7 @@ class KVChunkStore:
         tokens.
         """
         tensors, keys = self._read_boundary(token_ids, num_tokens, keys)
-        return self._assemble(tensors, len(keys))
+        return assemble(self.groups, tensors, len(keys), self.chunk_size)
 
     def verify(self, token_ids: TokenIds | None, num_tokens: int, *, keys: Sequence[str] | None = None) -> int:
         """The longest boundary up to ``num_tokens`` whose entries all read back whole: :meth:`load`, unassembled.
@@ -339,22 +310,6 @@ class KVChunkStore:
                 with contextlib.suppress(OSError):
                     self.store.delete(info.key)
         return tensors if whole else None
-
-    def _assemble(self, tensors: dict[tuple[int, int], torch.Tensor], num_chunks: int) -> LoadedPrefix:
-        if not num_chunks:
-            return LoadedPrefix(num_tokens=0)
-        parts = []
-        for group in range(len(self.groups)):
-            needed = self.needed_chunks(group, num_chunks)
-            if not self.groups[group].token_indexed:
-                parts.append(GroupPrefix(group, num_chunks * self.chunk_size, tensors[group, needed.start]))
-                continue
-            chunks = [tensors[group, chunk] for chunk in needed]
-            tensor = (torch.cat(chunks, dim=2) if chunks else
-                      torch.empty(self.groups[group].chunk_shape(0), dtype=self.groups[group].dtype))
-            first = needed.start * self.chunk_size if chunks else num_chunks * self.chunk_size
-            parts.append(GroupPrefix(group, first, tensor))
-        return LoadedPrefix(num_tokens=num_chunks * self.chunk_size, groups=tuple(parts))
 
     # --- lifetime -------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,8 @@
+"""The vLLM KV connector (``kvgroups[vllm]``): ``kv_connector_module_path="kvgroups.integrations.vllm"``.
+
+Importing this package imports vLLM; nothing outside it does.
+"""
+
+from kvgroups.integrations.vllm.connector import KVGroupsConnector
+
+__all__ = ["KVGroupsConnector"]

@@ -1,0 +1,124 @@
+"""``KVGroupsConnector``: vLLM's KV connector interface (v1, with the hybrid allocator) on kvgroups.
+
+Enable it with ``KVTransferConfig(kv_connector="KVGroupsConnector",
+kv_connector_module_path="kvgroups.integrations.vllm", kv_role="kv_both",
+kv_connector_extra_config={"store": URL or [URLs], "chunk_size": N, "salt": S})``. vLLM builds
+one instance per role in different processes; each delegates to its side
+(:mod:`~kvgroups.integrations.vllm.scheduler_side`, :mod:`~kvgroups.integrations.vllm.worker_side`).
+Loads are synchronous (before the forward) and layer-by-layer hooks do nothing: every layer,
+attention or recurrent, is moved at once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
+from kvgroups.integrations.vllm.scheduler_side import SchedulerSide
+from kvgroups.integrations.vllm.settings import ConnectorConfigError
+from kvgroups.integrations.vllm.worker_side import WorkerSide, check_backends
+
+logger = logging.getLogger(__name__)
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415 - needs vLLM's groups
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefix KV of every vLLM KV-cache group (full, sliding, chunked, MLA, mamba) in a kvgroups chunk store."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ConnectorConfigError("KVGroupsConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self.deployment = Deployment(vllm_config, kv_cache_config)
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.deployment)
+            if policy != "recompute":
+                logger.warning(
+                    "KVGroupsConnector: kv_load_failure_policy is %r; a hit whose entries vanish between "
+                    "lookup and load (evicted by another process) then fails its request. Set "
+                    "kv_load_failure_policy='recompute' to recompute such blocks instead.", policy)
+        else:
+            self._worker = WorkerSide(self.deployment, _tensor_parallel_rank())
+
+    # --- worker side ------------------------------------------------------------------------
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side method was called on the scheduler-side connector")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        worker = self._worker_side()
+        check_backends(self.deployment, self._vllm_config.compilation_config.static_forward_context)
+        worker.register(kv_caches)
+
+    def _plans(self) -> KVGroupsConnectorMetadata | None:
+        metadata = self._connector_metadata
+        return metadata if isinstance(metadata, KVGroupsConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plans = self._plans()
+        if plans is not None and plans.loads:
+            self._worker_side().load(plans)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv restored every layer already
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # wait_for_save saves every layer, recurrent ones too (they have no such hook)
+
+    def wait_for_save(self) -> None:
+        plans = self._plans()
+        if plans is not None and plans.saves:
+            self._worker_side().save(plans)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    # --- scheduler side ---------------------------------------------------------------------
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side method was called on the worker-side connector")
+        return self._scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_side().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request)
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.close()

@@ -1,0 +1,106 @@
+"""One vLLM deployment as the connector sees it, the same on the scheduler and on every worker.
+
+Settings, the engine plan (groups per vLLM KV-cache group), the model's identity, and per
+tensor-parallel rank the ``LMCacheMetadata`` whose fingerprint names that rank's chunks. Both
+sides build it from the same ``VllmConfig`` and ``KVCacheConfig``, so their keys agree.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from vllm.platforms import current_platform
+
+from kvgroups.groups import KVLayerGroupInfo
+from kvgroups.integrations.vllm.engine_groups import EnginePlan, UnsupportedCacheError, engine_layout
+from kvgroups.integrations.vllm.settings import ConnectorSettings, model_identity
+from kvgroups.layouts import KVLayout
+from kvgroups.manager import KVLayerGroupsManager
+from kvgroups.metadata import LMCacheMetadata
+
+
+class Deployment:
+    """Settings, plan and identity of one deployment; :meth:`metadata` per rank."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, layout: KVLayout | None = None) -> None:
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        unsupported = {
+            "pipeline_parallel_size": parallel.pipeline_parallel_size,
+            "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
+        }
+        if any(size != 1 for size in unsupported.values()):
+            raise UnsupportedCacheError(f"KVGroupsConnector stores tensor-parallel ranks only; got {unsupported}")
+        self.world_size = int(parallel.tensor_parallel_size)
+        # The platform decides the layout; tests of the other platform's layout pass it.
+        self.plan = EnginePlan(kv_cache_config, layout or engine_layout(current_platform.is_cpu()))
+        self.settings.check_block_sizes(
+            {group.index: group.block_size for group in self.plan.engine_groups if group.token_indexed}
+        )
+        self.identity = model_identity(vllm_config)
+        self.engine_id = transfer.engine_id
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.groups = self.plan.build_groups(self.plan.meta_values(self.num_blocks))
+        self.is_producer = bool(transfer.is_kv_producer)
+        self.is_consumer = bool(transfer.is_kv_consumer)
+        # A recurrent group is served only where its state has one block per request, updated in
+        # place (mamba_cache_mode "none"); vLLM's own prefix-caching modes keep states elsewhere.
+        modes = {group.state_mode for group in self.plan.engine_groups if not group.token_indexed}
+        self.unservable = (
+            f"recurrent state kept in mamba_cache_mode {sorted(mode or '' for mode in modes - {'none'})}; "
+            f"the connector restores states in mamba_cache_mode 'none' (vLLM's prefix caching off)"
+            if modes - {"none"} else None
+        )
+
+    def metadata(self, rank: int, groups: list[KVLayerGroupInfo], role: str) -> LMCacheMetadata:
+        """The metadata of rank ``rank`` with ``groups`` (from :attr:`groups`, or from registered tensors)."""
+        token_groups = [group for group in groups if group.token_indexed]
+        first = token_groups[0] if token_groups else groups[0]
+        use_mla = any(group.layout is KVLayout.MLA for group in groups)
+        manager = KVLayerGroupsManager()
+        metadata = LMCacheMetadata(
+            model_name=self.identity, world_size=self.world_size, local_world_size=self.world_size,
+            worker_id=rank, local_worker_id=rank, kv_dtype=first.dtype,
+            kv_shape=(len(self.plan.layers), 1 if use_mla else 2, self.settings.chunk_size,
+                      first.num_heads if token_groups else 1, first.head_size if token_groups else 1),
+            use_mla=use_mla, role=role, chunk_size=self.settings.chunk_size, kv_layer_groups_manager=manager,
+            engine_id=self.engine_id,
+        )
+        manager.kv_layer_groups = list(groups)
+        return metadata
+
+    def engine_group_of(self) -> dict[int, int]:
+        """kvgroups group position -> vLLM KV-cache group index."""
+        return {member: group.index for group in self.plan.engine_groups for member in group.members}
+
+
+def request_salt(request: Any) -> str | None:
+    """What, besides its tokens, decides a request's KV: cache salt, LoRA adapter, multimodal inputs.
+
+    None for a request whose tokens do not say what it computes (prompt embeddings).
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    parts: dict[str, Any] = {}
+    if getattr(request, "cache_salt", None):
+        parts["cache_salt"] = request.cache_salt
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts["lora"] = [getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)]
+    features = getattr(request, "mm_features", None) or []
+    if features:
+        parts["mm"] = [[feature.identifier, feature.mm_position.offset, feature.mm_position.length]
+                       for feature in features]
+    return json.dumps(parts, sort_keys=True) if parts else ""
+
+
+def token_bytes(token_ids: Any) -> bytes:
+    """Token ids as little-endian uint32 bytes, the form plans carry them in."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def tokens_of(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u4")

@@ -1,0 +1,249 @@
+"""vLLM's KV-cache groups as kvgroups groups: what each layer's cache is, and which blocks it uses.
+
+vLLM (0.32) describes its caches with a ``KVCacheConfig``: KV-cache groups, each a list of layer
+names and one spec, whose requests get one list of block ids per group. :class:`EnginePlan`
+reads that once, on both sides of the connector: the scheduler builds groups from ``meta``
+tensors of the shapes vLLM allocates, the worker from the tensors it registers, and both must
+arrive at the same groups (the same fingerprint), which the worker checks. kvgroups groups never
+span two vLLM groups, even of equal specs, because each vLLM group has its own block table.
+
+A layer's value is what kvgroups moves: an attention layer's ``[num_blocks, num_heads,
+block_size, 2 * head_size]`` view as it is (layout ``VLLM`` or ``VLLM_CPU``); an MLA layer's
+``[num_blocks, 1, block_size, head_size]`` view without its head axis (layout ``MLA``); a mamba
+layer's int8 page ``[num_blocks, 1, 1, page_bytes]`` as the state tensors the mixer itself slices
+from it, or as the bytes of those states when they differ in dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvgroups.errors import KVGroupsError
+from kvgroups.groups import KVLayerGroupInfo
+from kvgroups.kinds import ChunkedLocal, FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
+from kvgroups.layouts import KVLayout
+from kvgroups.manager import KVLayerGroupsManager
+
+
+class UnsupportedCacheError(KVGroupsError):
+    """vLLM's KV caches hold something the connector cannot store and restore exactly."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's cache as kvgroups sees it: its spec, layout, dtype and sizes.
+
+    Attention: ``num_heads`` x ``head_size`` per token. Mamba: ``page_shapes`` / ``page_dtypes``
+    are the states vLLM packs into each page, in order; ``states_as_bytes`` moves them as one
+    uint8 state when their dtypes differ.
+    """
+
+    name: str
+    spec: LayerCacheSpec
+    layout: KVLayout
+    dtype: torch.dtype
+    num_heads: int = 1
+    head_size: int = 1
+    page_shapes: tuple[tuple[int, ...], ...] = ()
+    page_dtypes: tuple[torch.dtype, ...] = ()
+    states_as_bytes: bool = False
+
+    @property
+    def token_indexed(self) -> bool:
+        return self.spec.token_indexed
+
+    def meta_value(self, num_blocks: int, block_size: int) -> Any:
+        """What :meth:`value` makes of the tensor vLLM allocates, on the ``meta`` device."""
+        if not self.token_indexed:
+            return tuple(torch.empty(num_blocks, *shape, dtype=self.dtype, device="meta")
+                         for shape in self.spec.state_shapes)
+        if self.layout is KVLayout.MLA:
+            return torch.empty(num_blocks, block_size, self.head_size, dtype=self.dtype, device="meta")
+        return torch.empty(num_blocks, self.num_heads, block_size, 2 * self.head_size, dtype=self.dtype,
+                           device="meta")
+
+    def value(self, tensor: Any) -> Any:
+        """The tensor vLLM registered for this layer as the value kvgroups moves (views, never copies)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            shown = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise KVGroupsError(f"layer {self.name!r}: vLLM registered {shown}; expected a 4-D cache view")
+        if self.token_indexed:
+            if self.layout is KVLayout.MLA:
+                if tensor.shape[1] != 1:
+                    raise KVGroupsError(f"layer {self.name!r}: an MLA cache is [num_blocks, 1, block_size, "
+                                        f"head_size]; vLLM registered {list(tensor.shape)}")
+                return tensor.squeeze(1)
+            return tensor
+        if tensor.dtype != torch.int8 or tuple(tensor.shape[1:3]) != (1, 1):
+            raise KVGroupsError(f"layer {self.name!r}: a mamba page is int8 [num_blocks, 1, 1, page_bytes]; "
+                                f"vLLM registered {tensor.dtype} {list(tensor.shape)}")
+        pages = tensor.squeeze(2).squeeze(1)
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(self.page_shapes, self.page_dtypes,
+                                                                          strict=True)]
+        if sum(sizes) > pages.shape[1]:
+            raise KVGroupsError(f"layer {self.name!r}: its states take {sum(sizes)} bytes, its pages "
+                                f"{pages.shape[1]}")
+        if self.states_as_bytes:
+            return (pages[:, :sum(sizes)].view(torch.uint8),)
+        states, offset = [], 0
+        for shape, dtype, size in zip(self.page_shapes, self.page_dtypes, sizes, strict=True):
+            states.append(pages[:, offset:offset + size].view(dtype).view(-1, *shape))
+            offset += size
+        return tuple(states)
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    """One vLLM KV-cache group: its block size, the layers kvgroups moves, its kvgroups groups."""
+
+    index: int
+    block_size: int  # tokens per block id, as the scheduler counts them
+    layer_names: tuple[str, ...]
+    members: tuple[int, ...]  # positions of its kvgroups groups in the plan's group list
+    token_indexed: bool
+    state_mode: str | None  # mamba_cache_mode of a recurrent group
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """``model.layers.10.attn`` after ``model.layers.9.attn``: numbers compare as numbers."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def engine_layout(is_cpu: bool) -> KVLayout:
+    """The layout of vLLM's attention caches: the CPU backend's pages, else the GPU backends' views."""
+    return KVLayout.VLLM_CPU if is_cpu else KVLayout.VLLM
+
+
+def _token_kind(name: str, spec: AttentionSpec) -> LayerCacheSpec:
+    if type(spec) is SlidingWindowSpec:
+        return SlidingWindow(window_tokens=spec.sliding_window)
+    if type(spec) is ChunkedLocalAttentionSpec:
+        return ChunkedLocal(chunk_tokens=spec.attention_chunk_size)
+    if type(spec) is FullAttentionSpec:
+        # Without the hybrid allocator vLLM keeps every token of a sliding or chunked layer in a
+        # full-attention group; the layer still reads only its window.
+        if spec.sliding_window is not None:
+            return SlidingWindow(window_tokens=spec.sliding_window)
+        if spec.attention_chunk_size is not None:
+            return ChunkedLocal(chunk_tokens=spec.attention_chunk_size)
+        return FullAttention()
+    raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported "
+                                f"(supported: full, sliding-window, chunked-local and MLA attention, mamba)")
+
+
+def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
+    """How kvgroups stores layer ``name`` whose vLLM spec is ``spec``; raises for what it cannot restore."""
+    if isinstance(spec, MambaSpec):
+        shapes = tuple(tuple(int(dim) for dim in shape) for shape in spec.shapes)
+        dtypes = tuple(spec.dtypes)
+        if len(set(dtypes)) == 1:
+            return LayerPlan(name, RecurrentState(state_shapes=shapes), KVLayout.RECURRENT, dtypes[0],
+                             page_shapes=shapes, page_dtypes=dtypes)
+        content = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True))
+        return LayerPlan(name, RecurrentState(state_shapes=((content,),)), KVLayout.RECURRENT, torch.uint8,
+                         page_shapes=shapes, page_dtypes=dtypes, states_as_bytes=True)
+    if not isinstance(spec, AttentionSpec):
+        raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
+    problems = []
+    if spec.head_size_v != spec.head_size:
+        problems.append(f"values of {spec.head_size_v} elements per head differ from keys of {spec.head_size}")
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        problems.append(f"KV quantization {spec.kv_quant_mode.name} keeps scales outside the page")
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state)")
+    if problems:
+        raise UnsupportedCacheError(f"layer {name!r} ({type(spec).__name__}): " + "; ".join(problems))
+    if isinstance(spec, MLAAttentionSpec):
+        if type(spec) is not MLAAttentionSpec:
+            raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
+        return LayerPlan(name, MLAttention(), KVLayout.MLA, spec.dtype, head_size=spec.head_size)
+    return LayerPlan(name, _token_kind(name, spec), layout, spec.dtype, num_heads=spec.num_kv_heads,
+                     head_size=spec.head_size)
+
+
+class EnginePlan:
+    """vLLM's KV-cache groups read once: per layer a :class:`LayerPlan`, per vLLM group an :class:`EngineGroup`.
+
+    Layers that only alias another layer's cache (vLLM's cross-layer KV sharing: in a group, but
+    in no cache tensor) are left out: their bytes are their target's. Raises
+    :class:`UnsupportedCacheError` for caches the connector cannot restore exactly, naming the
+    layer and why.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, layout: KVLayout) -> None:
+        self.layout = layout
+        allocated = {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
+        every_layer = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
+        self.layer_index = {name: index for index, name in enumerate(sorted(set(every_layer), key=natural_key))}
+        self.layers: dict[str, LayerPlan] = {}
+        self.engine_groups: list[EngineGroup] = []
+        for index, group in enumerate(kv_cache_config.kv_cache_groups):
+            if not getattr(group, "enable_kv_transfer", True):
+                raise UnsupportedCacheError(
+                    f"KV-cache group {index} (layers {list(group.layer_names)[:3]}...) takes no part in KV "
+                    f"transfer; a prefix restored without it would be wrong"
+                )
+            spec = group.kv_cache_spec
+            names = tuple(name for name in group.layer_names if not allocated or name in allocated)
+            for name in names:
+                layer_spec = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+                self.layers[name] = layer_plan(name, layer_spec, layout)
+            token_indexed = all(self.layers[name].token_indexed for name in names)
+            if not token_indexed and any(self.layers[name].token_indexed for name in names):
+                raise UnsupportedCacheError(f"KV-cache group {index} mixes attention and state layers")
+            self.engine_groups.append(EngineGroup(
+                index=index, block_size=int(spec.block_size), layer_names=names, members=(),
+                token_indexed=token_indexed,
+                state_mode=None if token_indexed else str(getattr(spec, "mamba_cache_mode", "none")),
+            ))
+
+    def build_groups(self, values: Mapping[str, Any]) -> list[KVLayerGroupInfo]:
+        """kvgroups groups of ``values`` (layer name -> value), within each vLLM group; sets members."""
+        groups: list[KVLayerGroupInfo] = []
+        rebuilt = []
+        for engine_group in self.engine_groups:
+            names = engine_group.layer_names
+            if not names:
+                rebuilt.append(engine_group)
+                continue
+            manager = KVLayerGroupsManager()
+            manager.build_kv_layer_groups(
+                {name: values[name] for name in names},
+                {name: self.layers[name].spec for name in names},
+                layout={name: self.layers[name].layout for name in names},
+            )
+            first = len(groups)
+            for group in manager.kv_layer_groups:
+                groups.append(KVLayerGroupInfo(
+                    list(group.layer_names), [self.layer_index[name] for name in group.layer_names],
+                    group.shape, group.dtype, group.layout, group.spec,
+                ))
+            rebuilt.append(EngineGroup(
+                index=engine_group.index, block_size=engine_group.block_size, layer_names=names,
+                members=tuple(range(first, len(groups))), token_indexed=engine_group.token_indexed,
+                state_mode=engine_group.state_mode,
+            ))
+        self.engine_groups = rebuilt
+        return groups
+
+    def meta_values(self, num_blocks: int) -> dict[str, Any]:
+        """Every layer's value as ``meta`` tensors of the shapes vLLM allocates."""
+        block_sizes = {name: group.block_size for group in self.engine_groups for name in group.layer_names}
+        return {name: plan.meta_value(num_blocks, block_sizes[name]) for name, plan in self.layers.items()}

@@ -1,0 +1,51 @@
+"""What the scheduler side tells the workers each step: which requests to load, which chunks to save.
+
+The plans travel inside vLLM's ``SchedulerOutput`` to every worker; each worker computes its own
+rank's keys from the tokens, so a plan carries tokens (as little-endian uint32 bytes) and the
+request's salt, never keys. Block ids are vLLM's, one list per KV-cache group, as of this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Restore a request's first ``num_tokens`` tokens from the store before its first forward.
+
+    ``local_tokens`` of them are already in vLLM's own prefix cache (their blocks may be shared
+    with other requests and are left alone); the rest are written into ``block_ids``.
+    """
+
+    request_id: str
+    token_bytes: bytes  # the first num_tokens prompt tokens, uint32 little-endian
+    request_salt: str
+    num_tokens: int
+    local_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """Save chunks ``chunks`` of a request, completed by this step, which computed tokens up to ``step_end``.
+
+    A group's entry is saved only if all of the chunk is in its blocks now (a sliding window
+    may have dropped the start of a chunk that began in an earlier step), a recurrent group's
+    only if this step ends exactly where the chunk does (its state is at that boundary).
+    """
+
+    request_id: str
+    token_bytes: bytes  # the prompt tokens through the last chunk saved, uint32 little-endian
+    request_salt: str
+    chunks: tuple[int, ...]
+    step_end: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class KVGroupsConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)

@@ -1,0 +1,151 @@
+"""The connector's scheduler side: how many tokens the store can serve a request, and each step's plans.
+
+A hit is promised only after reading it back: :meth:`KVChunkStore.verify` on every rank's
+chunks at the boundary, so a corrupt or missing entry, another salt, or a store that is down
+costs a miss now instead of a failed load later. A hit never covers the prompt's last token
+(vLLM computes it for the first logits) and is a multiple of the chunk size, itself a multiple
+of every attention group's block size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvgroups.integrations.vllm.deployment import Deployment, request_salt, token_bytes
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
+from kvgroups.store.chunk_store import KVChunkStore
+from kvgroups.store.urls import open_store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    tokens: np.ndarray  # prompt token ids, uint32
+    salt: str
+    hit_tokens: int | None = None  # verified store hit, once looked up
+    queried_local: int = 0  # the local (vLLM prefix cache) hit the lookup was asked after
+    load: tuple[int, int] | None = None  # (num_tokens, local_tokens) to load in the next plan
+    planned: set[int] = field(default_factory=set)  # chunks already planned for saving
+
+
+class SchedulerSide:
+    """Lookups against every rank's chunks, load and save plans, per-request state."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.chunk_size = deployment.settings.chunk_size
+        self.store = open_store(list(deployment.settings.stores))
+        self.rank_stores = [
+            KVChunkStore(deployment.metadata(rank, deployment.groups, "scheduler"), self.store,
+                         chunk_size=self.chunk_size, salt=deployment.settings.salt)
+            for rank in range(deployment.world_size)
+        ]
+        self._requests: dict[str, _Tracked] = {}
+        self._kv_cache_manager: Any = None
+        if deployment.unservable:
+            logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    # --- lookups ----------------------------------------------------------------------------
+    def _track(self, request: Any) -> _Tracked | None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            salt = request_salt(request)
+            if salt is None:
+                return None
+            tracked = _Tracked(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt)
+            self._requests[request.request_id] = tracked
+        return tracked
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the store serves (loaded before the next forward)."""
+        tracked = self._track(request)
+        if tracked is None or not self.deployment.is_consumer or self.deployment.unservable:
+            return 0, False
+        usable = (len(tracked.tokens) - 1) // self.chunk_size * self.chunk_size
+        if usable <= num_computed_tokens:
+            return 0, False
+        if tracked.hit_tokens is None:
+            tracked.hit_tokens = self._verified_hit(tracked, usable)
+            logger.debug("request %s: store serves %d of %d prompt tokens", request.request_id,
+                         tracked.hit_tokens, len(tracked.tokens))
+        tracked.queried_local = num_computed_tokens
+        return max(0, tracked.hit_tokens - num_computed_tokens), False
+
+    def _verified_hit(self, tracked: _Tracked, usable: int) -> int:
+        tokens = tracked.tokens[:usable]
+        keys = [store.keys(tokens, request_salt=tracked.salt) for store in self.rank_stores]
+        boundary = min(store.lookup(None, keys=rank_keys) for store, rank_keys in zip(self.rank_stores, keys,
+                                                                                      strict=True))
+        # Every rank must read back whole at one boundary; a rank that reads less moves it down.
+        while boundary:
+            verified = min(store.verify(None, boundary, keys=rank_keys)
+                           for store, rank_keys in zip(self.rank_stores, keys, strict=True))
+            if verified == boundary:
+                break
+            boundary = verified
+        return boundary
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0:
+            return
+        tracked.load = (tracked.queried_local + num_external_tokens, tracked.queried_local)
+
+    # --- plans ------------------------------------------------------------------------------
+    def build_meta(self, scheduler_output: Any) -> KVGroupsConnectorMetadata:
+        metadata = KVGroupsConnectorMetadata()
+        for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._requests.get(request_id)
+            if tracked is None:
+                continue
+            # Called before the scheduler advances num_computed_tokens: this step starts here.
+            start = int(tracked.request.num_computed_tokens)
+            block_ids: tuple[tuple[int, ...], ...] | None = None
+            if tracked.load is not None:
+                num_tokens, local_tokens = tracked.load
+                tracked.load = None
+                block_ids = self._block_ids(request_id)
+                metadata.loads.append(LoadPlan(
+                    request_id=request_id, token_bytes=token_bytes(tracked.tokens[:num_tokens]),
+                    request_salt=tracked.salt, num_tokens=num_tokens, local_tokens=local_tokens,
+                    block_ids=block_ids,
+                ))
+            if not self.deployment.is_producer:
+                continue
+            end = min(start + int(num_scheduled), len(tracked.tokens))
+            chunks = tuple(
+                chunk for chunk in range(start // self.chunk_size, end // self.chunk_size)
+                if (chunk + 1) * self.chunk_size > start and chunk not in tracked.planned
+            )
+            if not chunks:
+                continue
+            tracked.planned.update(chunks)
+            metadata.saves.append(SavePlan(
+                request_id=request_id,
+                token_bytes=token_bytes(tracked.tokens[: (chunks[-1] + 1) * self.chunk_size]),
+                request_salt=tracked.salt, chunks=chunks, step_end=start + int(num_scheduled),
+                block_ids=block_ids or self._block_ids(request_id),
+            ))
+        return metadata
+
+    def _block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(int(block) for block in ids) for ids in self._kv_cache_manager.get_block_ids(request_id))
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its blocks can be freed at once (saves copied them out in their step)."""
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def close(self) -> None:
+        for store in self.rank_stores:
+            store.close()
+        self.store.close()

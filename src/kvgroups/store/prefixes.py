@@ -1,0 +1,66 @@
+"""What each group needs from the store at a boundary, and a loaded prefix put together from entries.
+
+Each group is asked only for what it keeps (its spec's ``tokens_needed``): a full-attention or
+MLA group needs every chunk before a boundary, a sliding-window group only the chunks overlapping
+its window, a chunked-local group only the current attention chunk, a recurrent group only its
+state at the boundary (saved with the chunk that ends there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvgroups.groups import KVLayerGroupInfo
+from kvgroups.kinds import LayerCacheSpec
+from kvgroups.sizes import ceil_div
+
+
+@dataclass(frozen=True)
+class GroupPrefix:
+    """One group's part of a loaded prefix.
+
+    Token groups: ``tensor`` is ``[kv_size, num_layers, tokens, hidden_dim_size]`` holding tokens
+    ``first_token ..`` up to the boundary (all of them for full attention, the window for sliding
+    layers). Recurrent groups: ``[1, num_layers, 1, state_elements]``, the state at the boundary.
+    """
+
+    group_index: int
+    first_token: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    """What ``load`` found: the first ``num_tokens`` tokens' caches, one part per group (none for 0)."""
+
+    num_tokens: int
+    groups: tuple[GroupPrefix, ...] = ()
+
+
+def needed_chunks(spec: LayerCacheSpec, num_chunks: int, chunk_size: int) -> range:
+    """The chunks a group of ``spec`` needs to continue after ``num_chunks`` full chunks of ``chunk_size``."""
+    if not spec.token_indexed:
+        return range(num_chunks - 1, num_chunks)  # the state saved with the chunk ending there
+    start, end = spec.tokens_needed(num_chunks * chunk_size)
+    return range(start // chunk_size, ceil_div(end, chunk_size)) if start < end else range(0)
+
+
+def assemble(groups: Sequence[KVLayerGroupInfo], tensors: Mapping[tuple[int, int], torch.Tensor], num_chunks: int,
+             chunk_size: int) -> LoadedPrefix:
+    """The prefix of ``num_chunks`` chunks from entries ``(group, chunk) -> tensor`` (every needed one present)."""
+    if not num_chunks:
+        return LoadedPrefix(num_tokens=0)
+    parts = []
+    for index, group in enumerate(groups):
+        needed = needed_chunks(group.spec, num_chunks, chunk_size)
+        if not group.token_indexed:
+            parts.append(GroupPrefix(index, num_chunks * chunk_size, tensors[index, needed.start]))
+            continue
+        chunks = [tensors[index, chunk] for chunk in needed]
+        tensor = torch.cat(chunks, dim=2) if chunks else torch.empty(group.chunk_shape(0), dtype=group.dtype)
+        first = needed.start * chunk_size if chunks else num_chunks * chunk_size
+        parts.append(GroupPrefix(index, first, tensor))
+    return LoadedPrefix(num_tokens=num_chunks * chunk_size, groups=tuple(parts))

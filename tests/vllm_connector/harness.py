@@ -1,0 +1,186 @@
+"""vLLM's real Scheduler driven in-process with a hand-built KV-cache config, and fake worker caches.
+
+The scheduler side of ``KVGroupsConnector`` runs inside vLLM's ``Scheduler`` exactly as in an
+engine; the worker side is a ``WorkerSide`` bound to tensors laid out as vLLM allocates them:
+one int8 buffer, every group's layers overlaid on the same bytes (a block id belongs to one
+group at a time), each layer a ``[num_blocks, num_heads, block_size, 2 * head_size]`` view.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
+from kvgroups.integrations.vllm.worker_side import WorkerSide
+from kvgroups.layouts import KVLayout
+
+HEADS, HEAD_SIZE, DTYPE = 2, 32, torch.float32
+STATE_SHAPES = ((3, 16), (2, 8, 8))  # a conv and an SSM state, per sequence
+MAX_MODEL_LEN = 1024
+
+
+def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str = "none") -> list[KVCacheGroupSpec]:
+    """One vLLM group of two layers per kind ("sliding", "full", "mamba"), layer names interleaved."""
+    attention = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+    page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
+    groups = []
+    for position, kind in enumerate(kinds):
+        names = [f"model.layers.{position + len(kinds) * slot}.attn" for slot in range(2)]
+        if kind == "sliding":
+            spec: Any = SlidingWindowSpec(sliding_window=window, **attention)
+        elif kind == "full":
+            spec = FullAttentionSpec(**attention)
+        else:
+            # Without vLLM's prefix caching ("none") a state block covers the whole sequence.
+            spec = MambaSpec(block_size=MAX_MODEL_LEN if mamba_mode == "none" else block_size, shapes=STATE_SHAPES,
+                             dtypes=(DTYPE, DTYPE), page_size_padded=page_bytes, mamba_cache_mode=mamba_mode)
+        groups.append(KVCacheGroupSpec(names, spec))
+    return groups
+
+
+def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, num_blocks: int = 64,
+                 mamba_mode: str = "none") -> KVCacheConfig:
+    groups = group_specs(kinds, block_size, window, mamba_mode)
+    page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
+    # One tensor per group, each from byte 0 of the one buffer: the groups overlay each other.
+    tensors = [KVCacheTensor(size=2 * num_blocks * page_bytes, layers=list(group.layer_names),
+                             layer_stride=num_blocks * page_bytes, block_stride=page_bytes)
+               for group in groups]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
+                role: str = "kv_both", mamba_mode: str | None = None) -> VllmConfig:
+    model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_MODEL_LEN,
+                                enable_chunked_prefill=True, is_encoder_decoder=False,
+                                disable_hybrid_kv_cache_manager=None)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cache.kv_cache_layout = "LBHNC"  # resolved by the engine core before connectors exist
+    if mamba_mode is not None:
+        cache.mamba_cache_mode = mamba_mode
+    transfer = KVTransferConfig(kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
+                                kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, kv_transfer_config=transfer,
+                      device_config=DeviceConfig("cpu"))
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return [4 + (index * 37 + seed * 101 + 11) % 500 for index in range(length)]
+
+
+@dataclass
+class Step:
+    output: Any  # SchedulerOutput
+    metadata: KVGroupsConnectorMetadata
+
+
+@dataclass
+class SchedulerHarness:
+    """vLLM's Scheduler with the connector, stepped by hand with fake model outputs."""
+
+    config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    scheduler: Scheduler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+        # The scheduler's granularity is the LCM of the groups' block sizes, as the engine sets it.
+        block_size = math.lcm(*(group.kv_cache_spec.block_size for group in self.kv_cache_config.kv_cache_groups))
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=block_size, hash_block_size=block_size, log_stats=True)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(block_size, sha256)
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, request_id: str, tokens: list[int], *, max_tokens: int = 2, cache_salt: str | None = None) -> Request:
+        request = Request(request_id=request_id, prompt_token_ids=tokens,
+                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          pooling_params=None, block_hasher=self.hasher, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Step:
+        output = self.scheduler.schedule()
+        metadata = output.kv_connector_metadata
+        assert isinstance(metadata, KVGroupsConnectorMetadata)
+        ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for request_id in ids:
+            request = self.scheduler.requests[request_id]
+            sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
+        self.scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={request_id: index for index, request_id in enumerate(ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None))
+        return Step(output, metadata)
+
+    def run(self, worker: FakeWorker | None = None, max_steps: int = 50) -> list[Step]:
+        """Step until every request finished, handing each step's plans to ``worker`` as an engine would."""
+        steps = []
+        while self.scheduler.has_unfinished_requests() and len(steps) < max_steps:
+            step = self.step()
+            if worker is not None:
+                worker.side.load(step.metadata)
+                worker.side.save(step.metadata)
+            steps.append(step)
+        if worker is not None and worker.side.store is not None:
+            worker.side.store.flush()
+        return steps
+
+
+class FakeWorker:
+    """A worker's caches laid out as vLLM allocates them, bound to a WorkerSide."""
+
+    def __init__(self, config: VllmConfig, kv_cache_config: KVCacheConfig, layout: KVLayout = KVLayout.VLLM_CPU,
+                 seed: int = 0) -> None:
+        self.deployment = Deployment(config, kv_cache_config, layout=layout)
+        self.kv_cache_config = kv_cache_config
+        size = kv_cache_config.kv_cache_tensors[0].size
+        generator = torch.Generator().manual_seed(seed)
+        self.buffer = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
+        self.caches = self._views(layout)
+        self.side = WorkerSide(self.deployment, rank=0)
+        self.side.register(self.caches)
+
+    def _views(self, layout: KVLayout) -> dict[str, torch.Tensor]:
+        caches = {}
+        num_blocks = self.kv_cache_config.num_blocks
+        for tensor in self.kv_cache_config.kv_cache_tensors:
+            for slot, name in enumerate(tensor.layers):
+                raw = self.buffer[slot * tensor.layer_stride:(slot + 1) * tensor.layer_stride]
+                spec = next(group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups
+                            if name in group.layer_names)
+                if isinstance(spec, MambaSpec):
+                    caches[name] = raw.view(num_blocks, 1, 1, tensor.block_stride)
+                elif layout is KVLayout.VLLM:  # GPU backends: tokens outside heads in memory (LBNHC)
+                    caches[name] = raw.view(DTYPE).view(num_blocks, spec.block_size, HEADS, 2 * HEAD_SIZE
+                                                        ).permute(0, 2, 1, 3)
+                else:
+                    caches[name] = raw.view(DTYPE).view(num_blocks, HEADS, spec.block_size, 2 * HEAD_SIZE)
+        return caches

@@ -1,0 +1,236 @@
+"""The connector against vLLM's real Scheduler and fake worker caches laid out as vLLM lays them out.
+
+Sliding + full attention groups overlaid on one buffer (as vLLM's hybrid allocator places them),
+in the CPU backend's layout and in the GPU backends'; a mamba group at unit level. Each test
+plays two engine lifetimes: one fills the store, a fresh scheduler and fresh caches reuse it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgroups.layouts import KVLayout
+from kvgroups.store import FileStore
+from tests.servers import running_server
+from tests.vllm_connector.harness import (
+    FakeWorker,
+    SchedulerHarness,
+    Step,
+    cache_config,
+    prompt,
+    vllm_config,
+)
+
+CHUNK = 32
+
+
+def file_store(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK, **extra}
+
+
+def fill(model_dir: Path, extra: dict[str, Any], kinds: list[str], tokens: list[int], *,
+         layout: KVLayout = KVLayout.VLLM_CPU, max_batched: int = 256, **cache: Any) -> tuple[FakeWorker, list[Step]]:
+    kv = cache_config(kinds, **cache)
+    config = vllm_config(model_dir, extra, max_batched=max_batched)
+    worker = FakeWorker(config, kv, layout=layout, seed=0)
+    harness = SchedulerHarness(config, kv)
+    harness.add("fill", tokens)
+    return worker, harness.run(worker)
+
+
+def fresh(model_dir: Path, extra: dict[str, Any], kinds: list[str], *, layout: KVLayout = KVLayout.VLLM_CPU,
+          **cache: Any) -> tuple[SchedulerHarness, FakeWorker]:
+    kv = cache_config(kinds, **cache)
+    config = vllm_config(model_dir, extra)
+    return SchedulerHarness(config, kv), FakeWorker(config, kv, layout=layout, seed=1)
+
+
+def token_rows(worker: FakeWorker, block_ids: tuple[tuple[int, ...], ...], positions: range) -> list[torch.Tensor]:
+    """Every kvgroups group's K/V rows of token ``positions`` (null blocks skipped) in ``worker``'s caches."""
+    rows = []
+    for engine_group in worker.side.engine_groups:
+        ids = block_ids[engine_group.index]
+        size = engine_group.block_size
+        slots = [ids[p // size] * size + p % size for p in positions if ids[p // size] != 0]
+        for member in engine_group.members:
+            rows.append(worker.side.transfers[member].pack(torch.tensor(slots, dtype=torch.int64))[0])
+    return rows
+
+
+@pytest.mark.parametrize("layout", [KVLayout.VLLM_CPU, KVLayout.VLLM])
+def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_path: Path, layout: KVLayout,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The layout enters the fingerprint: the scheduler side must read the GPU layout here too.
+    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: layout)
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    first, steps = fill(gemma3_dir, extra, ["sliding", "full"], tokens, layout=layout)
+    (save,) = steps[0].metadata.saves
+    assert save.chunks == (0, 1, 2) and save.step_end == 100  # the prompt in one step; 96 tokens in chunks
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"], layout=layout)
+    harness.add("reuse", tokens)
+    before = second.buffer.clone()
+    step = harness.step()
+    (new,) = step.output.scheduled_new_reqs
+    assert new.num_computed_tokens == 96  # never the last prompt token, in whole chunks
+    (load,) = step.metadata.loads
+    assert (load.num_tokens, load.local_tokens) == (96, 0)
+    sliding_ids, full_ids = load.block_ids
+    assert sliding_ids[:4] == (0, 0, 0, 0) and 0 not in full_ids  # out of the 32-token window: null blocks
+    second.side.load(step.metadata)
+    assert not second.side.take_load_errors()
+    # Full layers get all 96 tokens, sliding layers the blocks of their window; bytes exactly.
+    got = token_rows(second, load.block_ids, range(96))
+    want = token_rows(first, save.block_ids, range(96))
+    window = [p for p in range(96) if sliding_ids[p // 16] != 0]
+    assert window == list(range(64, 96))
+    (got_sliding, got_full), (_, want_full) = got, want
+    want_sliding = token_rows(first, save.block_ids, range(64, 96))[0]
+    assert got_sliding.shape[2] == 32 and got_full.shape[2] == 96
+    assert torch.equal(got_sliding.view(torch.uint8), want_sliding.view(torch.uint8))
+    assert torch.equal(got_full.view(torch.uint8), want_full.view(torch.uint8))
+    # Nothing outside the request's blocks was written: every byte that changed is in one of them.
+    page = second.kv_cache_config.kv_cache_tensors[0].block_stride
+    changed = (second.buffer != before).view(-1, page).any(dim=1).nonzero().flatten().tolist()
+    num_blocks = second.kv_cache_config.num_blocks
+    touched = {index % num_blocks for index in changed}
+    assert touched <= {block for block in sliding_ids + full_ids if block}
+
+
+def test_a_corrupt_entry_shortens_the_hit_to_what_every_group_can_serve(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    first, _ = fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+    store = first.side.store
+    assert store is not None
+    keys = store.keys(tokens)
+    full_group = first.side.engine_groups[1].members[0]
+    path = Path(FileStore(f"{tmp_path}/kv")._path(store.entry_key(keys[2], full_group)))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one flipped bit in the payload
+    path.write_bytes(bytes(data))
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness.add("reuse", tokens)
+    step = harness.step()
+    # Chunk 2 of the full layers is unreadable: at 64 tokens the full group has chunks 0-1 and the
+    # sliding group its window (chunk 1), so 64 is served.
+    assert step.output.scheduled_new_reqs[0].num_computed_tokens == 64
+    second.side.load(step.metadata)
+    assert not second.side.take_load_errors()
+
+
+def test_other_salts_never_hit(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    fill(gemma3_dir, file_store(tmp_path, salt="tenant-a"), ["sliding", "full"], tokens)
+    harness, _ = fresh(gemma3_dir, file_store(tmp_path, salt="tenant-b"), ["sliding", "full"])
+    harness.add("other-tenant", tokens)
+    assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 0
+    harness, _ = fresh(gemma3_dir, file_store(tmp_path, salt="tenant-a"), ["sliding", "full"])
+    harness.add("other-cache-salt", tokens, cache_salt="user-7")
+    harness.add("same", tokens)
+    step = harness.step()
+    assert {new.req_id: new.num_computed_tokens for new in step.output.scheduled_new_reqs} == {
+        "other-cache-salt": 0, "same": 96}
+
+
+def test_a_stopped_server_costs_misses_never_errors(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    with running_server(tmp_path) as server:
+        extra = {"store": server.url, "chunk_size": CHUNK}
+        fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+        harness, _ = fresh(gemma3_dir, extra, ["sliding", "full"])
+        harness.add("served", tokens)
+        assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 96
+        server.stop()
+        harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
+        harness.add("down", tokens)
+        steps = harness.run(second)
+        assert steps[0].output.scheduled_new_reqs[0].num_computed_tokens == 0
+        assert not steps[0].metadata.loads
+
+
+def test_entries_gone_between_lookup_and_load_are_reported_for_recompute(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness.add("reuse", tokens)
+    step = harness.step()
+    (load,) = step.metadata.loads
+    FileStore(f"{tmp_path}/kv").clear()  # another process evicted everything meanwhile
+    second.side.load(step.metadata)
+    sliding_ids, full_ids = load.block_ids
+    assert second.side.take_load_errors() == {block for block in sliding_ids[:6] + full_ids[:6] if block}
+    assert second.side.take_load_errors() == set()
+
+
+def test_chunked_prefill_saves_each_chunk_in_the_step_that_completes_it(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    _, steps = fill(gemma3_dir, extra, ["sliding", "full"], tokens, max_batched=CHUNK)
+    assert [save.chunks for step in steps for save in step.metadata.saves] == [(0,), (1,), (2,)]
+    harness, _ = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness.add("reuse", tokens)
+    assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 96
+
+
+def write_states(worker: FakeWorker, block_ids: tuple[tuple[int, ...], ...], value: int) -> None:
+    """Stand in for a mamba mixer: its state block now says how many tokens it has seen."""
+    for engine_group in worker.side.engine_groups:
+        if engine_group.token_indexed:
+            continue
+        for name in engine_group.layer_names:
+            worker.caches[name][block_ids[engine_group.index][0]].fill_(value)
+
+
+def test_mamba_states_are_saved_at_step_ends_on_chunk_boundaries_and_restored(gemma3_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    kv = cache_config(["mamba", "full"])
+    config = vllm_config(gemma3_dir, extra, max_batched=CHUNK)
+    first = FakeWorker(config, kv)
+    harness = SchedulerHarness(config, kv)
+    harness.add("fill", tokens)
+    while harness.scheduler.has_unfinished_requests():
+        step = harness.step()
+        for save in step.metadata.saves:
+            write_states(first, save.block_ids, save.step_end % 128)  # the state after this step
+        first.side.save(step.metadata)
+    assert first.side.store is not None
+    first.side.store.flush()
+    harness, second = fresh(gemma3_dir, extra, ["mamba", "full"])
+    harness.add("reuse", tokens)
+    step = harness.step()
+    assert step.output.scheduled_new_reqs[0].num_computed_tokens == 96
+    second.side.load(step.metadata)
+    (load,) = step.metadata.loads
+    state_block = load.block_ids[0][0]
+    for name in second.side.engine_groups[0].layer_names:
+        page = second.caches[name][state_block].flatten()
+        content = sum(torch.Size(shape).numel() for shape in ((3, 16), (2, 8, 8))) * 4
+        assert (page[:content] == 96).all()  # the state at 96 tokens, not at 64 or 100
+
+
+def test_mamba_states_need_a_step_to_end_on_the_boundary(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    fill(gemma3_dir, extra, ["mamba", "full"], tokens)  # one 100-token step: no state at any boundary
+    harness, _ = fresh(gemma3_dir, extra, ["mamba", "full"])
+    harness.add("reuse", tokens)
+    assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_bad_settings_are_named(gemma3_dir: Path, tmp_path: Path) -> None:
+    from kvgroups.integrations.vllm.deployment import Deployment
+    from kvgroups.integrations.vllm.settings import ConnectorConfigError
+
+    kv = cache_config(["sliding", "full"])
+    with pytest.raises(ConnectorConfigError, match=r"chunk_size 40 must be a multiple .*group 0: 16, group 1: 16"):
+        Deployment(vllm_config(gemma3_dir, {"store": f"file://{tmp_path}", "chunk_size": 40}), kv)
+    with pytest.raises(ConnectorConfigError, match=r"unknown keys \['chunk'\].*lives in one process"):
+        Deployment(vllm_config(gemma3_dir, {"store": "memory://", "chunk": 32}), kv)
