@@ -137,6 +137,7 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["inspect", str(tmp / "int8.json"), "--kv-dtype", "bfloat16"],
          "config torch_dtype 'int8' cannot hold a recurrent state"),
         (["inspect", str(tmp / "new.json"), "--assume", "nope"], "argument --assume: invalid choice: 'nope'"),
+        (["inspect", "llama-3.1-8b", "--plot", "out.pdf"], "expected a .png or .svg file name, got 'out.pdf'"),
         (["inspect", "llama-3.1-8b", "--images", "-1"], "argument --images: expected an integer >= 0"),
         (["inspect", "nemotron-h-56b-base-8k", "--tp", "16"], "n_groups=8 does not split over --tp 16"),
         (["inspect", str(tmp / "missing.json")], "no such preset or file"),

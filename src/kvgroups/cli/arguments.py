@@ -58,3 +58,8 @@ def gib(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive, finite number of GiB, got {text!r}")
     return value
 
+
+def plot_path(text: str) -> str:
+    if not text.lower().endswith((".png", ".svg")):
+        raise argparse.ArgumentTypeError(f"expected a .png or .svg file name, got {text!r}")
+    return text

@@ -2,7 +2,8 @@
 
 Results go to stdout (a table, or JSON with ``--json``); warnings (what the config reader assumed,
 options that do not apply) go to stderr, one ``kvgroups: warning:`` line each, and into the JSON's
-``warnings``.
+``warnings``. ``--plot`` writes a picture of memory against context (matplotlib, imported only
+then).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvgroups.cli.arguments import (
     STATE_DTYPE_CHOICES,
     gib,
     non_negative_int,
+    plot_path,
     positive_int,
 )
 from kvgroups.cli.render import render_inspect, render_presets
@@ -62,6 +64,9 @@ def add_inspect_commands(commands: Any) -> None:
                          help="images per sequence, for models with cross-attention layers (default 0)")
     inspect.add_argument("--image-tokens", type=positive_int, metavar="N",
                          help="vision tokens per image (default: what the config implies)")
+    inspect.add_argument("--plot", type=plot_path, metavar="FILE",
+                         help="write memory per rank against context length to FILE (.png or .svg; needs "
+                              "kvgroups[plot])")
     inspect.add_argument("--json", action="store_true", help="print JSON (keys documented in README)")
     inspect.set_defaults(run=run_inspect)
     presets = commands.add_parser("presets", help="list the bundled model configs")
@@ -85,6 +90,10 @@ def inspect_report(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_inspect(args: argparse.Namespace, console: Console) -> int:
     report = inspect_report(args)
+    if args.plot:
+        from kvgroups.cli.plot import write_plot  # noqa: PLC0415 - matplotlib only when asked for
+
+        write_plot(report, args.plot)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
