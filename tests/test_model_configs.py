@@ -357,3 +357,14 @@ def test_empty_and_typeless_configs() -> None:
         model_spec_from_config({})
     with pytest.raises(ModelConfigError, match=r"^the config has no model_type; supported: "):
         model_spec_from_config({"num_hidden_layers": 2})
+
+
+def test_fields_saved_configs_repeat_are_read() -> None:
+    """Published configs carry fields beside the ones that size the cache; the readers know them."""
+    lfm2 = {**fixture("lfm2-2.6b"), "conv_dim_out": 2048, "conv_use_xavier_init": True, "conv_bias": False}
+    assert kinds(lfm2) == kinds(fixture("lfm2-2.6b"))
+    zamba2 = fixture("zamba2-7b")
+    hybrid = [i for i, kind in enumerate(zamba2["layers_block_type"]) if kind == "hybrid"]
+    assert len(model_spec_from_config({**zamba2, "hybrid_layer_ids": hybrid}).layers) == 81
+    with pytest.raises(ModelConfigError, match=r"hybrid_layer_ids .* disagrees with layers_block_type"):
+        model_spec_from_config({**zamba2, "hybrid_layer_ids": hybrid[1:]})

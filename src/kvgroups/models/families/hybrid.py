@@ -87,7 +87,8 @@ def _short_conv(config: ConfigFields) -> ModelLayer:
 
 
 @family("lfm2", defaults={"num_key_value_heads": 8, "conv_L_cache": 3, "max_position_embeddings": 128000},
-        layer_types={"conv": _short_conv}, reads=("conv_L_cache", "conv_dim", "conv_bias", "full_attn_idxs"))
+        layer_types={"conv": _short_conv},
+        reads=("conv_L_cache", "conv_dim", "conv_dim_out", "conv_bias", "conv_use_xavier_init", "full_attn_idxs"))
 def _lfm2(config: ConfigFields) -> list[ModelLayer]:
     """``layer_types`` (``conv`` / ``full_attention``), else attention at ``full_attn_idxs``, else (as in
     transformers) attention everywhere."""

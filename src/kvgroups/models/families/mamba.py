@@ -160,7 +160,7 @@ def _falcon_h1(config: ConfigFields) -> list[ModelLayer]:
     "num_attention_heads": 32, "hidden_size": 2560, "num_hidden_layers": 54, "max_position_embeddings": 4096,
 }, reads_layer_types=False,
    reads=(*_NO_CACHE_EFFECT, "layers_block_type", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_ngroups",
-          "n_mamba_heads", "mamba_headdim"), ssm_dtype_fields=SSM_DTYPE_FIELDS)
+          "n_mamba_heads", "mamba_headdim", "hybrid_layer_ids"), ssm_dtype_fields=SSM_DTYPE_FIELDS)
 def _zamba2(config: ConfigFields) -> list[ModelLayer]:
     """``layers_block_type``: ``mamba`` layers keep a mamba2 state; ``hybrid`` layers run a shared
     attention block before their mamba2 mixer and keep a K/V cache of their own at each position.
@@ -197,6 +197,10 @@ def _zamba2(config: ConfigFields) -> list[ModelLayer]:
     unknown = sorted({str(kind) for kind in block_types if kind not in kinds})
     if unknown:
         raise ModelConfigError(f"layers_block_type has entries {unknown}; expected mamba or hybrid")
+    hybrid_ids = [index for index, kind in enumerate(block_types) if kind == "hybrid"]
+    if config.data.get("hybrid_layer_ids") not in (None, hybrid_ids):  # derived; saved configs repeat it
+        raise ModelConfigError(f"hybrid_layer_ids {config.data['hybrid_layer_ids']!r} disagrees with "
+                               f"layers_block_type, whose hybrid layers are {hybrid_ids}")
     return [kinds[kind] for kind in block_types]
 
 
