@@ -107,13 +107,15 @@ def test_the_layering_is_what_this_test_reads() -> None:
 
 
 def test_the_command_and_the_core_import_nothing_heavy() -> None:
-    """``kvgroups inspect`` starts fast: the CLI and the core never import numba, Triton or transformers."""
+    """``kvgroups inspect`` starts fast: the CLI and the core never import numba, Triton, transformers or
+    matplotlib (the plot module imports it when it draws)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, kvgroups, kvgroups.cli.main, kvgroups.transfer; "
-        "print(sorted(m for m in ('numba', 'triton', 'transformers', 'vllm', 'redis') if m in sys.modules))"
+        "import sys, kvgroups, kvgroups.cli.main, kvgroups.cli.plot, kvgroups.transfer; "
+        "print(sorted(m for m in ('numba', 'triton', 'transformers', 'vllm', 'redis', 'matplotlib') "
+        "if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

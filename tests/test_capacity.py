@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvgroups.cli.report import inspect_model
 from kvgroups.kinds import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
-from kvgroups.models.capacity import GroupCost, memory_needed, tokens_that_fit
+from kvgroups.models.capacity import Fit, GroupCost, memory_needed, tokens_that_fit
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.engine import EngineParams
 from kvgroups.models.presets import load_model_config
@@ -55,3 +55,20 @@ def test_sliding_models_fit_far_more_than_all_full() -> None:
     assert tokens["bytes_per_rank_all_full"] == 131072 * (per_token_full + per_token_sliding)
     budget = 4 * GIB
     assert memory["tokens_per_sequence"] == (budget - held_sliding * per_token_sliding) // per_token_full // 16 * 16
+
+
+def test_a_context_nothing_limits_is_unbounded() -> None:
+    assert tokens_that_fit([STATE], 100, 2, 16, None, hybrid=True) == Fit(tokens_per_sequence=None,
+                                                                           limited_by="unbounded")
+    assert tokens_that_fit([STATE], 100, 2, 16, 4096, hybrid=True).tokens_per_sequence == 4096
+    assert tokens_that_fit([STATE], 13, 2, 16, None, hybrid=True).tokens_per_sequence == 0  # 2 states do not fit
+    report = inspect_model(model_spec_from_config(load_model_config("falcon-mamba-7b").config), "m",
+                           EngineParams(memory_gib=1, seqs=8)).to_dict()
+    memory = report["capacity"]["memory"]
+    assert (memory["tokens_per_sequence"], memory["total_tokens"], memory["limited_by"]) == (None, None, "unbounded")
+
+
+def test_a_cost_without_a_spec_is_a_fixed_amount_per_sequence() -> None:
+    images = GroupCost(spec=None, bytes_per_token=0, bytes_per_sequence=1000)
+    for hybrid in (True, False):
+        assert memory_needed([FULL, images], 32, 3, 16, hybrid=hybrid) == 3 * (32 * 100 + 1000)

@@ -1,7 +1,5 @@
-"""Bytes per token and per sequence of every bundled config, recomputed here from the raw JSON.
-
-The recomputation is deliberately plain and shares no code with the library.
-"""
+"""Bytes per token and per sequence of every bundled config and every family's fixture, recomputed
+from the raw JSON by :mod:`recompute` (which shares no code with the library)."""
 
 from __future__ import annotations
 
@@ -9,81 +7,128 @@ from typing import Any
 
 import pytest
 
+from kvgroups import ModelConfigError
 from kvgroups.cli.report import inspect_model
 from kvgroups.dtypes import dtype_from_name
+from kvgroups.layouts import KVLayout
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.engine import EngineParams
-from kvgroups.models.presets import load_model_config, preset_names
+from kvgroups.models.presets import load_model_config
+from tests.helpers import every_config
+from tests.recompute import NoSplitError, recompute, tokens_per_image
+
+CONFIGS = every_config()
 
 
-def heads_per_rank(heads: int, tp: int) -> int:
-    return heads // tp if heads % tp == 0 else 1
-
-
-def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[int, int]:
-    """(bytes per token per rank, recurrent-state bytes per sequence per rank)."""
-    text = config.get("text_config") or config
-    state_bytes = 2  # every hybrid preset is bfloat16 and states keep the model dtype
-    layers = text["num_hidden_layers"]
-    if "kv_lora_rank" in text:
-        return layers * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) * kv_bytes, 0
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    if text["model_type"] == "nemotron-nas":
-        total = 0
-        for block in text["block_configs"]:
-            attention = block["attention"]
-            if attention["no_op"] or attention["replace_with_linear"]:
-                continue
-            kv_heads = text["num_attention_heads"] // attention["n_heads_in_group"]
-            total += 2 * heads_per_rank(kv_heads, tp) * head_dim * kv_bytes
-        return total, 0
-    kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
-    if text["model_type"] == "nemotron_h":
-        pattern = text["hybrid_override_pattern"]
-        attention = pattern.count("*") * 2 * heads_per_rank(kv_heads, tp) * text["attention_head_dim"] * kv_bytes
-        heads, groups = text["mamba_num_heads"] // tp, text["n_groups"] // tp
-        conv = (heads * text["mamba_head_dim"] + 2 * groups * text["ssm_state_size"]) * (text["conv_kernel"] - 1)
-        ssm = heads * text["mamba_head_dim"] * text["ssm_state_size"]
-        return attention, pattern.count("M") * (conv + ssm) * state_bytes
-    if text["model_type"] == "qwen3_next":
-        full = layers // text["full_attention_interval"]
-        key_heads, value_heads = text["linear_num_key_heads"] // tp, text["linear_num_value_heads"] // tp
-        conv = (2 * key_heads * text["linear_key_head_dim"] + value_heads * text["linear_value_head_dim"]) * (
-            text["linear_conv_kernel_dim"] - 1
-        )
-        recurrent = value_heads * text["linear_key_head_dim"] * text["linear_value_head_dim"]
-        attention = full * 2 * heads_per_rank(kv_heads, tp) * head_dim * kv_bytes
-        return attention, (layers - full) * (conv + recurrent) * state_bytes
-    return layers * 2 * heads_per_rank(kv_heads, tp) * head_dim * kv_bytes, 0
-
-
-def inspect(name: str, tp: int, kv_dtype: str) -> dict[str, Any]:
-    spec = model_spec_from_config(load_model_config(name).config)
-    params = EngineParams(tp=tp, kv_dtype=dtype_from_name(kv_dtype))
-    return inspect_model(spec, name, params).to_dict()
+def inspect(config: dict[str, Any], tp: int, kv_dtype: str, **params: Any) -> dict[str, Any]:
+    spec = model_spec_from_config(config)
+    return inspect_model(spec, "m", EngineParams(tp=tp, kv_dtype=dtype_from_name(kv_dtype), **params)).to_dict()
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("tp", [1, 2, 8])
-@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_bytes_match_the_independent_recomputation(name: str, tp: int, kv_dtype: str) -> None:
-    report = inspect(name, tp, kv_dtype)
-    per_token, per_sequence = recompute(load_model_config(name).config, tp, 2 if kv_dtype == "bfloat16" else 1)
+    config = CONFIGS[name]
+    try:
+        per_token, per_sequence = recompute(config, tp, 2 if kv_dtype == "bfloat16" else 1)
+    except NoSplitError:
+        with pytest.raises(ModelConfigError, match=f"over --tp {tp}"):
+            inspect(config, tp, kv_dtype)
+        return
+    report = inspect(config, tp, kv_dtype)
     totals = report["totals"]
     assert totals["bytes_per_token_per_rank"] == per_token
     assert totals["bytes_per_token_all_ranks"] == per_token * tp
     assert totals["state_bytes_per_sequence_per_rank"] == per_sequence
     assert sum(group["bytes_per_token"] for group in report["groups"]) == per_token
+    assert sum(group["bytes_per_sequence"] for group in report["groups"]) == per_sequence
 
 
 def test_anchors() -> None:
-    assert inspect("llama-3.1-8b", 1, "bfloat16")["totals"]["bytes_per_token_per_rank"] == 32 * 2 * 8 * 128 * 2
-    assert inspect("deepseek-v3", 1, "bfloat16")["totals"]["bytes_per_token_per_rank"] == 61 * (512 + 64) * 2
-    assert inspect("deepseek-v3", 8, "bfloat16")["totals"]["bytes_per_token_per_rank"] == 70272  # replicated
+    def per_token(name: str, tp: int = 1) -> int:
+        return int(inspect(CONFIGS[name], tp, "bfloat16")["totals"]["bytes_per_token_per_rank"])
+
+    def per_sequence(name: str, tp: int = 1) -> int:
+        return int(inspect(CONFIGS[name], tp, "bfloat16")["totals"]["state_bytes_per_sequence_per_rank"])
+
+    assert per_token("llama-3.1-8b") == 32 * 2 * 8 * 128 * 2
+    assert per_token("deepseek-v3") == 61 * (512 + 64) * 2
+    assert per_token("deepseek-v3", 8) == 70272  # replicated
+    # Measured by hand from the configs and vLLM's formulas (the numbers a serving engine reserves).
+    assert (per_token("jamba-1.5-mini"), per_sequence("jamba-1.5-mini")) == (16384, 8716288)
+    assert (per_token("falcon-mamba-7b"), per_sequence("falcon-mamba-7b")) == (0, 19922944)
+    assert (per_token("qwen3.5-35b-a3b"), per_sequence("qwen3.5-35b-a3b")) == (20480, 64389120)
+    assert per_token("gemma-4-26b-a4b") == 5 * 2 * 2 * 512 * 2 + 25 * 2 * 8 * 256 * 2
+    assert per_token("deepseek-v3.2") == 61 * (1152 + 132) == 78324
+    assert per_token("glm-5-fp8") == 78 * (1152 + 132) == 100152
+    assert (per_token("nemotron-3-nano-30b-a3b"), per_sequence("nemotron-3-nano-30b-a3b")) == (6144, 49082368)
+    assert (per_token("minimax-m1"), per_sequence("minimax-m1")) == (40960, 146800640)
+    assert (per_token("fixture:zamba2-7b"), per_sequence("fixture:zamba2-7b")) == (372736, 77925888)
+    assert (per_token("fixture:falcon-h1-7b"), per_sequence("fixture:falcon-h1-7b")) == (45056, 70152192)
+    assert (per_token("fixture:granite-4.0-h-tiny", 2)) == 4096  # 4 kv heads: 2 per rank
+    assert per_sequence("fixture:granite-4.0-h-tiny", 2) == 36 * ((3 * 1792 + 24 * 64 * 128) * 2)  # groups replicated
+    assert (per_token("fixture:lfm2-1.2b"), per_sequence("fixture:lfm2-1.2b")) == (12288, 81920)
+
+
+def test_mixed_state_dtypes_are_separate_groups() -> None:
+    report = inspect(CONFIGS["nemotron-3-nano-30b-a3b"], 1, "bfloat16")
+    states = [(group["holds"], group["dtype"], group["spec"]["state_shapes"]) for group in report["groups"]
+              if group["kind"] == "recurrent"]
+    assert states == [("mamba2 conv", "bfloat16", [[4096 + 2 * 8 * 128, 3]]),
+                      ("mamba2 ssm", "float32", [[64, 64, 128]])]
+    assert report["engine"]["ssm_state_dtype"] == "float32" and report["engine"]["conv_state_dtype"] == "bfloat16"
+    # One dtype for both: one cache (and one group) per layer again.
+    both = inspect(CONFIGS["nemotron-3-nano-30b-a3b"], 1, "bfloat16", ssm_state_dtype=dtype_from_name("bfloat16"))
+    assert [group["holds"] for group in both["groups"]] == ["mamba2 conv+ssm", "attention k/v"]
+    assert both["totals"]["state_bytes_per_sequence_per_rank"] == 23 * (6144 * 3 + 64 * 64 * 128) * 2
+
+
+def test_state_dtype_options() -> None:
+    config = CONFIGS["qwen3.5-27b"]
+
+    def states(**options: str) -> list[tuple[str, str]]:
+        params = {key: dtype_from_name(value) for key, value in options.items()}
+        report = inspect(config, 1, "bfloat16", **params)
+        return [(group["holds"], group["dtype"]) for group in report["groups"] if group["kind"] == "recurrent"]
+
+    assert states() == [("deltanet conv", "bfloat16"), ("deltanet state", "float32")]  # mamba_ssm_dtype
+    assert states(state_dtype="float16") == [("deltanet conv", "float16"), ("deltanet state", "float32")]
+    assert states(ssm_state_dtype="bfloat16") == [("deltanet conv+state", "bfloat16")]
+    assert states(conv_state_dtype="float32") == [("deltanet conv+state", "float32")]
+    # A lightning state follows --state-dtype only, as vLLM keeps it in its mamba cache dtype.
+    minimax = inspect(CONFIGS["minimax-m1"], 1, "bfloat16", ssm_state_dtype=dtype_from_name("float32"))
+    assert [group["dtype"] for group in minimax["groups"]] == ["bfloat16", "bfloat16"]
+
+
+def test_cross_attention_is_a_cost_per_image() -> None:
+    config = CONFIGS["llama-3.2-11b-vision"]
+    tokens = tokens_per_image(config)
+    assert tokens == 4 * (40 * 40 + 1)
+    for tp in (1, 2, 8):
+        report = inspect(config, tp, "bfloat16", images=3, tokens=4096)
+        cross = report["cross_attention"]
+        per_image = 8 * tokens * 2 * (8 // tp) * 128 * 2
+        assert (cross["tokens_per_image"], cross["bytes_per_image"], cross["images"]) == (tokens, per_image, 3)
+        assert cross["model_layers"] == [3, 8, 13, 18, 23, 28, 33, 38]
+        text = 32 * 2 * (8 // tp) * 128 * 2
+        assert report["totals"]["bytes_per_token_per_rank"] == text  # not counted per text token
+        assert report["capacity"]["tokens"]["bytes_per_rank"] == 4096 * text + 3 * per_image
+    chosen = inspect(config, 1, "bfloat16", images=1, image_tokens=1601)["cross_attention"]
+    assert chosen["bytes_per_image"] == 8 * 1601 * 4096
+
+
+def test_indexer_keys_are_their_own_group_in_any_kv_dtype() -> None:
+    for kv_dtype, latent in (("bfloat16", 1152), ("float8_e4m3fn", 576)):
+        groups = inspect(CONFIGS["deepseek-v3.2"], 8, kv_dtype)["groups"]
+        assert [(g["holds"], g["dtype"], g["bytes_per_token"]) for g in groups] == [
+            ("mla latent", "bfloat16" if latent == 1152 else "float8_e4m3fn", 61 * latent),
+            ("indexer keys", "uint8", 61 * 132),
+        ]
 
 
 def test_chunk_shapes_and_bytes_come_from_the_metadata() -> None:
-    report = inspect("gpt-oss-20b", 2, "bfloat16")
+    report = inspect(CONFIGS["gpt-oss-20b"], 2, "bfloat16")
     assert [group["kind"] for group in report["groups"]] == ["sliding_window", "full_attention"]
     assert [group["chunk_shape"] for group in report["groups"]] == [[2, 12, 256, 256], [2, 12, 256, 256]]
     assert [group["chunk_bytes"] for group in report["groups"]] == [2 * 12 * 256 * 256 * 2] * 2
@@ -94,8 +139,6 @@ def test_chunk_shapes_and_bytes_come_from_the_metadata() -> None:
 
 def test_layouts_change_shapes_not_bytes() -> None:
     spec = model_spec_from_config(load_model_config("llama-3.1-8b").config)
-    from kvgroups.layouts import KVLayout
-
     rows = {}
     for layout in (KVLayout.FLASH_ATTN, KVLayout.FLASHINFER, KVLayout.FLASHINFER_HND, KVLayout.KV_SPLIT):
         report = inspect_model(spec, "l", EngineParams(layout=layout, tokens=160)).to_dict()

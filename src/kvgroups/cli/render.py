@@ -1,4 +1,7 @@
-"""Rich tables for ``kvgroups inspect`` and ``kvgroups presets``: the same numbers as the JSON."""
+"""Rich tables for ``kvgroups inspect`` and ``kvgroups presets``: the same numbers as the JSON.
+
+Only results are printed here; warnings go to stderr (:mod:`kvgroups.cli.inspect_command`).
+"""
 
 from __future__ import annotations
 
@@ -20,13 +23,23 @@ def human_bytes(count: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+# What a group of each kind holds unless its ``holds`` says otherwise.
+_USUAL_HOLDS = {"full_attention": "attention k/v", "sliding_window": "attention k/v",
+                "chunked_local": "attention k/v", "mla": "mla latent"}
+
+
 def _kind(group: dict[str, Any]) -> str:
+    """The kind with its window or chunk; a recurrent group by what it holds (``mamba2 conv+ssm``)."""
     spec = group["spec"]
+    if group["kind"] == "recurrent":
+        return str(group["holds"])
     if "window_tokens" in spec:
-        return f"sliding({spec['window_tokens']})"
-    if "chunk_tokens" in spec:
-        return f"chunked({spec['chunk_tokens']})"
-    return str(spec["kind"])
+        kind = f"sliding({spec['window_tokens']})"
+    elif "chunk_tokens" in spec:
+        kind = f"chunked({spec['chunk_tokens']})"
+    else:
+        kind = str(spec["kind"])
+    return kind if group["holds"] == _USUAL_HOLDS.get(group["kind"]) else f"{kind}: {group['holds']}"
 
 
 def _shape(group: dict[str, Any]) -> str:
@@ -53,6 +66,10 @@ def _layers(model_layers: list[int], total_layers: int) -> str:
 
 def _number(value: int) -> str:
     return f"{value:,}"
+
+
+def _tokens(value: int | None) -> str:
+    return "unbounded" if value is None else _number(value)
 
 
 def render_inspect(report: dict[str, Any], console: Console) -> None:
@@ -87,15 +104,27 @@ def render_inspect(report: dict[str, Any], console: Console) -> None:
     ]
     for label, value in lines:
         console.print(f"{label:<38} {_number(value):>18}  ({human_bytes(value)})")
+    cross = report["cross_attention"]
+    if cross is not None:
+        console.print(
+            f"{'cross-attention, per image, per rank':<38} {_number(cross['bytes_per_image']):>18}  "
+            f"({human_bytes(cross['bytes_per_image'])}): layers {cross['layers']}, "
+            f"{_number(cross['tokens_per_image'])} image tokens each; x {cross['images']} images per sequence "
+            f"(--images)"
+        )
     console.print(f"{'metadata fingerprint':<38} {totals['fingerprint']}")
     memory = capacity["memory"]
     if memory is not None:
-        console.print(
-            f"{'tokens that fit in ' + str(engine['memory_gib']) + ' GiB/rank':<38} "
-            f"{_number(memory['tokens_per_sequence']):>18} per sequence x {memory['sequences']} "
-            f"(limited by {memory['limited_by']}); as if every layer were full: "
-            f"{_number(memory['tokens_per_sequence_all_full'])} (limited by {memory['limited_by_all_full']})"
-        )
+        label = f"{'tokens that fit in ' + str(engine['memory_gib']) + ' GiB/rank':<38}"
+        if memory["tokens_per_sequence"] is None:
+            console.print(f"{label} {'unbounded':>18} per sequence x {memory['sequences']} (no layer grows with "
+                          f"the context, and the config states no maximum)")
+        else:
+            console.print(
+                f"{label} {_number(memory['tokens_per_sequence']):>18} per sequence x {memory['sequences']} "
+                f"(limited by {memory['limited_by']}); as if every layer were full: "
+                f"{_tokens(memory['tokens_per_sequence_all_full'])} (limited by {memory['limited_by_all_full']})"
+            )
     tokens = capacity["tokens"]
     if tokens is not None:
         console.print(
@@ -105,8 +134,6 @@ def render_inspect(report: dict[str, Any], console: Console) -> None:
             f"as if every layer were full: {_number(tokens['bytes_per_rank_all_full'])} "
             f"({human_bytes(tokens['bytes_per_rank_all_full'])}) per rank"
         )
-    for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def render_presets(rows: list[dict[str, Any]], console: Console) -> None:

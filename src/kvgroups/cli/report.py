@@ -18,7 +18,7 @@ from kvgroups.formatting import compact_ranges
 from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.metadata import LMCacheMetadata
 from kvgroups.models.capacity import Fit, GroupCost, memory_needed, tokens_that_fit
-from kvgroups.models.engine import EngineParams, RankBuild, build_rank
+from kvgroups.models.engine import CrossAttention, EngineParams, RankBuild, build_rank
 from kvgroups.models.layers import ModelSpec
 
 REPORT_FORMAT = "kvgroups.inspect/1"
@@ -30,6 +30,7 @@ class GroupReport:
 
     group: KVLayerGroupInfo
     model_layers: tuple[int, ...]
+    holds: str
     chunk_shape: torch.Size
     bytes_per_token: int
     bytes_per_sequence: int
@@ -44,6 +45,7 @@ class GroupReport:
             "layer_indices": list(group.layer_indices),
             "num_layers": group.num_layers,
             "kind": group.kind.value,
+            "holds": self.holds,
             "spec": group.spec.to_dict(),
             "layout": group.layout.value,
             "tensor_shape": list(group.shape),
@@ -59,18 +61,36 @@ class GroupReport:
         }
 
 
+def _cross_attention_dict(cross: CrossAttention | None) -> dict[str, Any] | None:
+    if cross is None:
+        return None
+    return {
+        "layers": compact_ranges(cross.model_layers),
+        "model_layers": list(cross.model_layers),
+        "num_layers": len(cross.model_layers),
+        "num_kv_heads": cross.num_kv_heads,
+        "head_size": cross.head_size,
+        "dtype": dtype_name(cross.dtype),
+        "tokens_per_image": cross.tokens_per_image,
+        "bytes_per_image": cross.bytes_per_image,
+        "images": cross.images,
+        "bytes_per_sequence": cross.bytes_per_sequence,
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class Report:
     model_name: str
     source: str
     model: ModelSpec
     params: EngineParams
-    kv_dtype: torch.dtype
-    state_dtype: torch.dtype
-    num_blocks: int
+    build: RankBuild
     groups: tuple[GroupReport, ...]
-    metadata: LMCacheMetadata
-    layers_with_cache: int
+    warnings: tuple[str, ...]
+
+    @property
+    def metadata(self) -> LMCacheMetadata:
+        return self.build.metadata
 
     @property
     def bytes_per_token_per_rank(self) -> int:
@@ -85,11 +105,15 @@ class Report:
         return sum(row.chunk_bytes for row in self.groups)
 
     def costs(self) -> list[GroupCost]:
-        return [
+        costs = [
             GroupCost(spec=row.group.spec, bytes_per_token=row.bytes_per_token,
                       bytes_per_sequence=row.bytes_per_sequence)
             for row in self.groups
         ]
+        cross = self.build.cross_attention
+        if cross is not None and cross.bytes_per_sequence:
+            costs.append(GroupCost(spec=None, bytes_per_token=0, bytes_per_sequence=cross.bytes_per_sequence))
+        return costs
 
     def memory_for_tokens(self, *, hybrid: bool) -> int | None:
         if self.params.tokens is None:
@@ -105,7 +129,7 @@ class Report:
             self.model.max_position_embeddings, hybrid=hybrid,
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def _capacity(self) -> dict[str, Any]:
         params, tp = self.params, self.params.tp
         capacity: dict[str, Any] = {"memory": None, "tokens": None}
         hybrid_fit, full_fit = self.fit_in_memory(hybrid=True), self.fit_in_memory(hybrid=False)
@@ -114,10 +138,10 @@ class Report:
                 "budget_bytes_per_rank": params.memory_bytes or 0,
                 "sequences": params.seqs,
                 "tokens_per_sequence": hybrid_fit.tokens_per_sequence,
-                "total_tokens": hybrid_fit.tokens_per_sequence * params.seqs,
+                "total_tokens": _times(hybrid_fit.tokens_per_sequence, params.seqs),
                 "limited_by": hybrid_fit.limited_by,
                 "tokens_per_sequence_all_full": full_fit.tokens_per_sequence,
-                "total_tokens_all_full": full_fit.tokens_per_sequence * params.seqs,
+                "total_tokens_all_full": _times(full_fit.tokens_per_sequence, params.seqs),
                 "limited_by_all_full": full_fit.limited_by,
             }
         hybrid_need, full_need = self.memory_for_tokens(hybrid=True), self.memory_for_tokens(hybrid=False)
@@ -130,6 +154,10 @@ class Report:
                 "bytes_per_rank_all_full": full_need,
                 "bytes_all_ranks_all_full": full_need * tp,
             }
+        return capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        params, tp, dtypes = self.params, self.params.tp, self.build.dtypes
         return {
             "format": REPORT_FORMAT,
             "model": self.model_name,
@@ -138,12 +166,14 @@ class Report:
             "max_position_embeddings": self.model.max_position_embeddings,
             "engine": {
                 "tp": tp, "rank": params.rank, "block_size": params.block_size, "layout": params.layout.value,
-                "kv_dtype": dtype_name(self.kv_dtype), "state_dtype": dtype_name(self.state_dtype),
-                "chunk_size": params.chunk_size, "num_blocks": self.num_blocks, "memory_gib": params.memory_gib,
-                "tokens": params.tokens, "seqs": params.seqs,
+                "kv_dtype": dtype_name(dtypes.kv), "state_dtype": dtype_name(dtypes.state),
+                "conv_state_dtype": dtype_name(dtypes.conv_state), "ssm_state_dtype": dtype_name(dtypes.ssm_state),
+                "chunk_size": params.chunk_size, "num_blocks": self.build.num_blocks, "memory_gib": params.memory_gib,
+                "tokens": params.tokens, "seqs": params.seqs, "images": params.images,
             },
-            "layers": {"total": len(self.model.layers), "with_cache": self.layers_with_cache},
+            "layers": {"total": len(self.model.layers), "with_cache": self.build.layers_with_cache},
             "groups": [row.to_dict(index) for index, row in enumerate(self.groups)],
+            "cross_attention": _cross_attention_dict(self.build.cross_attention),
             "totals": {
                 "bytes_per_token_per_rank": self.bytes_per_token_per_rank,
                 "bytes_per_token_all_ranks": self.bytes_per_token_per_rank * tp,
@@ -152,10 +182,14 @@ class Report:
                 "bytes_per_chunk_per_rank": self.bytes_per_chunk_per_rank,
                 "fingerprint": self.metadata.fingerprint(),
             },
-            "capacity": capacity,
-            "warnings": list(self.model.warnings),
+            "capacity": self._capacity(),
+            "warnings": list(self.warnings),
             "metadata": self.metadata.to_dict(),
         }
+
+
+def _times(tokens: int | None, sequences: int) -> int | None:
+    return None if tokens is None else tokens * sequences
 
 
 def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
@@ -165,6 +199,7 @@ def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
         GroupReport(
             group=group,
             model_layers=tuple(build.model_layer_of[name] for name in group.layer_names),
+            holds=", ".join(dict.fromkeys(build.holds_of[name] for name in group.layer_names)),
             chunk_shape=chunk_shape,
             bytes_per_token=group.bytes_per_token,
             bytes_per_sequence=group.bytes_per_sequence,
@@ -174,11 +209,20 @@ def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
     )
 
 
+def _engine_warnings(spec: ModelSpec, params: EngineParams, build: RankBuild) -> list[str]:
+    warnings = []
+    limit = spec.max_position_embeddings
+    if params.tokens is not None and limit is not None and params.tokens > limit:
+        warnings.append(f"--tokens {params.tokens} is beyond the model's context (max_position_embeddings {limit})")
+    if build.cross_attention is None and (params.images or params.image_tokens is not None):
+        warnings.append("--images / --image-tokens ignored: the model has no cross-attention layers")
+    return warnings
+
+
 def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source: str = "") -> Report:
     """Build the caches of ``spec`` on the meta device for one rank and describe them."""
     build = build_rank(spec, model_name, params)
     return Report(
-        model_name=model_name, source=source, model=spec, params=params, kv_dtype=build.kv_dtype,
-        state_dtype=build.state_dtype, num_blocks=build.num_blocks, groups=_group_rows(build),
-        metadata=build.metadata, layers_with_cache=build.layers_with_cache,
+        model_name=model_name, source=source, model=spec, params=params, build=build, groups=_group_rows(build),
+        warnings=(*spec.warnings, *_engine_warnings(spec, params, build)),
     )

@@ -1,9 +1,10 @@
 """How much memory a context needs and how much context a memory holds, block by block.
 
 Each group is allocated in whole blocks of ``block_size`` tokens; a group holds as many tokens
-as its kind keeps (its spec's ``tokens_held``); a recurrent group holds one state per sequence.
-"As if every layer were full" counts every token layer as full attention, which is what an
-engine without a hybrid allocator reserves.
+as its kind keeps (its spec's ``tokens_held``); a recurrent group holds one state per sequence,
+and a cost without a spec (the image tokens of cross-attention layers) a fixed amount per
+sequence. "As if every layer were full" counts every token layer as full attention, which is
+what an engine without a hybrid allocator reserves.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _UNBOUNDED_TOKENS = 1 << 40
 class GroupCost:
     """What one group costs on one rank."""
 
-    spec: LayerCacheSpec
+    spec: LayerCacheSpec | None  # None: a fixed cost per sequence (no tokens)
     bytes_per_token: int  # all layers of the group together; 0 for recurrent state
     bytes_per_sequence: int  # recurrent state of all layers of the group; 0 for token caches
 
@@ -35,7 +36,7 @@ def memory_needed(
     per_sequence = 0
     for cost in costs:
         if cost.bytes_per_token:
-            spec = cost.spec if hybrid else _FULL
+            spec = cost.spec if hybrid and cost.spec is not None else _FULL
             held = spec.tokens_held(context_tokens, block_size)
             per_sequence += round_up(held, block_size) * cost.bytes_per_token
         per_sequence += cost.bytes_per_sequence
@@ -46,8 +47,8 @@ def memory_needed(
 class Fit:
     """The longest context per sequence that fits a memory budget."""
 
-    tokens_per_sequence: int
-    limited_by: str  # "memory" or "max_position_embeddings"
+    tokens_per_sequence: int | None  # None: unbounded (nothing grows with the context, no maximum)
+    limited_by: str  # "memory", "max_position_embeddings" or "unbounded"
 
 
 def tokens_that_fit(
@@ -62,7 +63,8 @@ def tokens_that_fit(
     """Largest context per sequence whose :func:`memory_needed` stays within ``budget_bytes``.
 
     Windows and chunks cap what their layers hold, so a model whose token layers are all
-    bounded fits any context; the model's ``max_context_tokens`` then is the answer.
+    bounded fits any context; the model's ``max_context_tokens`` then is the answer, and without
+    one the context is unbounded.
     """
     ceiling = max_context_tokens if max_context_tokens is not None else _UNBOUNDED_TOKENS
 
@@ -70,6 +72,8 @@ def tokens_that_fit(
         return memory_needed(costs, tokens, num_sequences, block_size, hybrid=hybrid) <= budget_bytes
 
     if fits(ceiling):
+        if max_context_tokens is None:
+            return Fit(tokens_per_sequence=None, limited_by="unbounded")
         return Fit(tokens_per_sequence=ceiling, limited_by="max_position_embeddings")
     low, high = 0, ceiling  # fits(low) may be False when even the states do not fit
     if not fits(0):

@@ -2,14 +2,17 @@
 
 Fields and defaults follow the ``transformers`` config classes (the authority on defaults), read
 without importing them. Each family registers one :class:`Family` by ``model_type``
-(:func:`family`): its reader, its defaults, and how it reads a config's ``layer_types`` list
+(:func:`family`): its reader, its defaults, how it reads a config's ``layer_types`` list
 (which entries it knows beyond the attention kinds, or that its reader interprets the list
-itself). Adding a family touches only its own registration, in :mod:`kvgroups.models.families`.
+itself), and which of the fields that change what layers cache (:func:`changes_the_cache`) it
+reads. A config carrying such a field that its family does not read is refused rather than
+guessed at (:func:`unread_cache_fields`). Adding a family touches only its own registration, in
+:mod:`kvgroups.models.families`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +22,45 @@ from kvgroups.models.layers import AttentionLayer, ModelLayer
 
 GENERIC_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 
+# Fields that change what a model's layers cache (recurrent mixers, layer patterns, other head
+# counts or sizes, image tokens, sparse-attention indexers, latents). Only families that read
+# them accept them.
+_CACHE_FIELD_PREFIXES = ("mamba_", "ssm_", "linear_", "hybrid_", "swa_", "index_", "attn_layer_", "conv_")
+_CACHE_FIELD_SUFFIXES = ("layer_pattern",)
+_CACHE_FIELDS = frozenset({
+    "cross_attention_layers", "kv_lora_rank", "qk_rope_head_dim", "attn_type_list", "layers_block_type",
+    "full_attn_idxs", "global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers", "n_mamba_heads",
+    "n_groups", "block_configs", "attention_chunk_size", "no_rope_layers", "sliding_window_pattern",
+    "max_window_layers", "v_head_dim", "indexer_types",
+})
+
+
+def changes_the_cache(name: str) -> bool:
+    """Whether a config field of this name changes what the model's layers cache."""
+    return name in _CACHE_FIELDS or name.startswith(_CACHE_FIELD_PREFIXES) or name.endswith(_CACHE_FIELD_SUFFIXES)
+
+
+def _is_set(value: Any) -> bool:
+    """A value that says something (null, false, 0 and empty lists leave a field unused)."""
+    return value is not None and value is not False and value != 0 and value not in ("", [], {})
+
 
 class ConfigFields:
     """Field access with the family's defaults and errors that name the missing field."""
 
-    def __init__(self, data: Mapping[str, Any], model_type: str, family: Family) -> None:
-        self.data = data
+    def __init__(self, data: Mapping[str, Any], model_type: str, family: Family,
+                 outer: Mapping[str, Any] | None = None) -> None:
+        self.data = data  # the text model's config
+        self.outer = data if outer is None else outer  # the whole config (multimodal: with vision_config)
         self.model_type = model_type
         self.family = family
         self.defaults = family.defaults
+        self.warnings: list[str] = []
+
+    def warn(self, message: str) -> None:
+        """Note something the reader assumed; it reaches the user on stderr and in ``warnings``."""
+        if message not in self.warnings:
+            self.warnings.append(message)
 
     def get(self, name: str, fallback: Any = None) -> Any:
         value = self.data.get(name)
@@ -66,10 +99,33 @@ class ConfigFields:
             )
         return hidden // heads
 
-    def num_kv_heads(self) -> int:
-        if self.get("num_key_value_heads") is None:
+    def num_kv_heads(self, name: str = "num_key_value_heads") -> int:
+        if self.get(name) is None:
             return self.integer("num_attention_heads")
-        return self.integer("num_key_value_heads")
+        return self.integer(name)
+
+    def int_list(self, name: str, *, minimum: int = 0) -> list[int] | None:
+        """A list of ints (layer indices, flags), or None when the field is not set."""
+        value = self.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, list) or any(
+            isinstance(item, bool) or not isinstance(item, int) or item < minimum for item in value
+        ):
+            raise ModelConfigError(
+                f"config field {name!r} must be a list of ints >= {minimum}, got {value!r} "
+                f"(model_type {self.model_type!r})"
+            )
+        return value
+
+    def layer_indices(self, name: str) -> set[int]:
+        """A field listing layer numbers, each checked against num_hidden_layers."""
+        indices = self.int_list(name) or []
+        num_layers = self.integer("num_hidden_layers")
+        outside = sorted(index for index in indices if index >= num_layers)
+        if outside:
+            raise ModelConfigError(f"{name} lists layers {outside} but num_hidden_layers is {num_layers}")
+        return set(indices)
 
     def sliding_window(self) -> int | None:
         """The window when set, not disabled and smaller than the longest context."""
@@ -119,6 +175,8 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     layer_types: Mapping[str, LayerReader] = field(default_factory=dict)
     reads_layer_types: bool = True
+    reads: frozenset[str] = frozenset()  # fields that change the cache and that ``read`` understands
+    ssm_dtype_fields: tuple[str, ...] = ()  # where the config names its SSM states' dtype
 
     def layers(self, config: ConfigFields) -> list[ModelLayer]:
         layer_types = config.data.get("layer_types")
@@ -152,10 +210,12 @@ FAMILIES: dict[str, Family] = {}
 def family(
     *model_types: str, defaults: Mapping[str, Any] | None = None,
     layer_types: Mapping[str, LayerReader] | None = None, reads_layer_types: bool = True,
+    reads: Iterable[str] = (), ssm_dtype_fields: tuple[str, ...] = (),
 ) -> Callable[[Reader], Reader]:
     def register(read: Reader) -> Reader:
         family = Family(read=read, defaults=defaults or {}, layer_types=layer_types or {},
-                        reads_layer_types=reads_layer_types)
+                        reads_layer_types=reads_layer_types, reads=frozenset(reads),
+                        ssm_dtype_fields=ssm_dtype_fields)
         for model_type in model_types:
             FAMILIES[model_type] = family
         return read
@@ -165,6 +225,14 @@ def family(
 
 def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
+
+
+def unread_cache_fields(data: Mapping[str, Any], family: Family) -> list[str]:
+    """Fields of ``data`` that change the cache, are set, and that ``family`` does not read."""
+    return sorted(
+        name for name, value in data.items()
+        if changes_the_cache(name) and _is_set(value) and name not in family.reads
+    )
 
 
 def from_layer_types(config: ConfigFields, layer_types: list[str]) -> list[ModelLayer]:

@@ -1,33 +1,41 @@
 """One tensor-parallel rank of a model as a serving engine would hold it, built on the meta device.
 
 :class:`EngineParams` says how the engine holds the cache (ranks, block size, layout, dtypes,
-memory or context); :func:`build_rank` turns a :class:`~kvgroups.models.layers.ModelSpec` into
-that rank's layer caches (meta tensors in the engine layout), groups them with
-``build_kv_layer_groups`` and describes them with ``LMCacheMetadata``. ``num_blocks`` comes
-from ``--memory`` (what the budget leaves after the states, in blocks) or ``--tokens``, using the
-same byte counts the groups report, so the rank is built once.
+memory or context, images); :func:`build_rank` turns a :class:`~kvgroups.models.layers.ModelSpec`
+into that rank's layer caches (meta tensors in the engine layout), groups them with
+``build_kv_layer_groups`` and describes them with ``LMCacheMetadata``. A model layer may hold
+several caches (named ``model.layers.N.<mixer>``); the state tensors of one recurrent mixer that
+share a dtype are one cache. ``num_blocks`` comes from ``--memory`` (what the budget leaves after
+the states and images, in blocks) or ``--tokens``, using the same byte counts the groups report,
+so the rank is built once. Cross-attention caches (image tokens) are costed per image and not
+grouped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvgroups.dtypes import dtype_from_name
 from kvgroups.errors import KVGroupsError
-from kvgroups.kinds import LayerCacheSpec
+from kvgroups.kinds import LayerCacheSpec, RecurrentState
 from kvgroups.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.metadata import LMCacheMetadata
+from kvgroups.models.cache_dtypes import CacheDtypes, resolve_dtypes
 from kvgroups.models.layers import ModelSpec, RankCache
 from kvgroups.sizes import GIB, ceil_div
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineParams:
-    """How the engine would hold the cache. ``kv_dtype``/``state_dtype`` None: the config's dtype."""
+    """How the engine would hold the cache. Dtypes None: as :mod:`kvgroups.models.cache_dtypes` says.
+
+    ``images`` per sequence and ``image_tokens`` per image (None: what the config implies) size
+    the cross-attention caches of models that have them.
+    """
 
     tp: int = 1
     rank: int = 0
@@ -35,10 +43,14 @@ class EngineParams:
     layout: KVLayout = KVLayout.FLASH_ATTN
     kv_dtype: torch.dtype | None = None
     state_dtype: torch.dtype | None = None
+    conv_state_dtype: torch.dtype | None = None
+    ssm_state_dtype: torch.dtype | None = None
     chunk_size: int = 256
     memory_gib: float | None = None
     tokens: int | None = None
     seqs: int = 1
+    images: int = 0
+    image_tokens: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,6 +64,10 @@ class EngineParams:
             problems.append(f"--memory must be a positive number of GiB, got {self.memory_gib!r}")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
             problems.append(f"--tokens must be an int >= 1, got {self.tokens!r}")
+        if isinstance(self.images, bool) or not isinstance(self.images, int) or self.images < 0:
+            problems.append(f"--images must be an int >= 0, got {self.images!r}")
+        if self.image_tokens is not None and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
+            problems.append(f"--image-tokens must be an int >= 1, got {self.image_tokens!r}")
         if not self.layout.holds_kv:
             problems.append(f"--layout must be a K/V layout, got {self.layout.value}")
         if problems:
@@ -64,8 +80,9 @@ class EngineParams:
 
 @dataclass(frozen=True, kw_only=True)
 class _LayerPlan:
-    """One layer with a cache on this rank: what it is, in which layout, and its sizes per block."""
+    """One cache of a layer on this rank: what it is, in which layout, and its sizes per block."""
 
+    name: str
     model_layer: int
     cache: RankCache
     layout: KVLayout
@@ -78,36 +95,86 @@ class _LayerPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CrossAttention:
+    """The image-token caches of one rank: what one image costs in all cross-attention layers."""
+
+    model_layers: tuple[int, ...]
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    tokens_per_image: int
+    images: int
+
+    @property
+    def bytes_per_image(self) -> int:
+        return len(self.model_layers) * self.tokens_per_image * 2 * self.num_kv_heads * self.head_size * (
+            self.dtype.itemsize
+        )
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.bytes_per_image * self.images
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankBuild:
     """What :func:`build_rank` built: the metadata with its groups, and where each cache came from."""
 
     metadata: LMCacheMetadata
     model_layer_of: dict[str, int]  # cache name -> model layer number
+    holds_of: dict[str, str]  # cache name -> what it holds ("mamba2 conv+ssm")
     num_blocks: int
-    kv_dtype: torch.dtype
-    state_dtype: torch.dtype
+    dtypes: CacheDtypes
     layers_with_cache: int
+    cross_attention: CrossAttention | None
 
 
-def _plan(index: int, cache: RankCache, params: EngineParams, kv_dtype: torch.dtype,
-          state_dtype: torch.dtype) -> _LayerPlan:
+def _plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, params: EngineParams) -> _LayerPlan:
     spec = cache.spec
     if not spec.token_indexed:
-        layout, dtype = KVLayout.RECURRENT, state_dtype
+        layout = KVLayout.RECURRENT
         geometry = CacheGeometry(kv_size=1, num_blocks=params.seqs, block_size=1, num_heads=1,
                                  head_size=spec.state_elements)
     else:
         layout = params.layout if spec.accepts_layout(params.layout) else KVLayout.MLA
-        dtype = kv_dtype
         geometry = CacheGeometry(kv_size=layout.kv_size, num_blocks=1, block_size=params.block_size,
                                  num_heads=cache.num_kv_heads if layout.holds_kv else 1, head_size=cache.head_size)
-    return _LayerPlan(model_layer=index, cache=cache, layout=layout, geometry=geometry, dtype=dtype)
+    return _LayerPlan(name=name, model_layer=index, cache=cache, layout=layout, geometry=geometry, dtype=dtype)
 
 
-def _num_blocks(params: EngineParams, plans: list[_LayerPlan]) -> int:
-    """Blocks per layer tensor: what --memory leaves after the states, or what --tokens needs."""
+def _merged(caches: tuple[RankCache, ...], dtypes: CacheDtypes) -> list[tuple[RankCache, torch.dtype]]:
+    """A layer's caches with their dtypes; consecutive states of one mixer in one dtype become one cache."""
+    merged: list[tuple[RankCache, torch.dtype]] = []
+    for cache in caches:
+        dtype = dtypes.of(cache)
+        if merged and not cache.spec.token_indexed:
+            previous, previous_dtype = merged[-1]
+            if not previous.spec.token_indexed and previous.mixer == cache.mixer and previous_dtype == dtype:
+                spec = RecurrentState(state_shapes=previous.spec.state_shapes + cache.spec.state_shapes)
+                merged[-1] = (dataclasses.replace(previous, spec=spec, head_size=spec.state_elements,
+                                                  part=f"{previous.part}+{cache.part}"), dtype)
+                continue
+        merged.append((cache, dtype))
+    return merged
+
+
+def _names(index: int, caches: list[tuple[RankCache, torch.dtype]]) -> list[str]:
+    """``model.layers.N`` for a layer with one cache, else one name per mixer (and part, when a mixer has two)."""
+    base = f"model.layers.{index}"
+    if len(caches) == 1:
+        return [base]
+    mixers = [cache.mixer for cache, _ in caches]
+    return [
+        f"{base}.{cache.mixer}" if mixers.count(cache.mixer) == 1
+        else f"{base}.{cache.mixer}.{cache.part.replace('/', '').replace('+', '_')}"
+        for cache, _ in caches
+    ]
+
+
+def _num_blocks(params: EngineParams, plans: list[_LayerPlan], per_sequence_extra: int) -> int:
+    """Blocks per layer tensor: what --memory leaves after the states and images, or what --tokens needs."""
     token_bytes = sum(plan.cache.spec.bytes_per_token(plan.slot_bytes) for plan in plans)
-    state_bytes = sum(plan.cache.spec.bytes_per_sequence(plan.slot_bytes) for plan in plans)
+    state_bytes = sum(plan.cache.spec.bytes_per_sequence(plan.slot_bytes) for plan in plans) + per_sequence_extra
     budget = params.memory_bytes
     if budget is not None and token_bytes:
         blocks = (budget - state_bytes * params.seqs) // (token_bytes * params.block_size)
@@ -115,7 +182,7 @@ def _num_blocks(params: EngineParams, plans: list[_LayerPlan]) -> int:
             raise KVGroupsError(
                 f"--memory {params.memory_gib} GiB holds not even one block of {params.block_size} tokens "
                 f"({token_bytes * params.block_size} B per rank) after {state_bytes * params.seqs} B of "
-                f"recurrent state"
+                f"recurrent state and images"
             )
         return int(blocks)
     tokens = params.tokens if params.tokens is not None else params.chunk_size
@@ -137,35 +204,54 @@ def _layer_value(plan: _LayerPlan, num_blocks: int) -> Any:
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
+def _cross_attention(image_caches: list[tuple[int, RankCache]], dtypes: CacheDtypes,
+                     params: EngineParams) -> CrossAttention | None:
+    if not image_caches:
+        return None
+    shapes = {(cache.num_kv_heads, cache.head_size, cache.tokens_per_image) for _, cache in image_caches}
+    if len(shapes) != 1:
+        raise KVGroupsError(f"cross-attention layers differ in heads, head size or image tokens: {sorted(shapes)}")
+    (heads, head_size, tokens_per_image), = shapes
+    return CrossAttention(
+        model_layers=tuple(index for index, _ in image_caches), num_kv_heads=heads, head_size=head_size,
+        dtype=dtypes.kv, tokens_per_image=params.image_tokens or tokens_per_image or 0, images=params.images,
+    )
+
+
 def build_rank(spec: ModelSpec, model_name: str, params: EngineParams) -> RankBuild:
     """The caches of rank ``params.rank`` of ``spec`` on the meta device, grouped and described."""
-    config_dtype = dtype_from_name(spec.torch_dtype)
-    kv_dtype = params.kv_dtype or config_dtype
-    state_dtype = params.state_dtype or config_dtype
-    plans = []
+    dtypes = resolve_dtypes(spec, kv=params.kv_dtype, state=params.state_dtype,
+                            conv_state=params.conv_state_dtype, ssm_state=params.ssm_state_dtype)
+    plans: list[_LayerPlan] = []
+    image_caches: list[tuple[int, RankCache]] = []
+    layers_with_cache = 0
     for index, layer in enumerate(spec.layers):
-        cache = layer.rank_cache(params.tp, index)
-        if cache is not None:
-            plans.append(_plan(index, cache, params, kv_dtype, state_dtype))
+        caches = layer.rank_caches(params.tp, index)
+        layers_with_cache += bool(caches)
+        image_caches += [(index, cache) for cache in caches if cache.tokens_per_image is not None]
+        text = _merged(tuple(cache for cache in caches if cache.tokens_per_image is None), dtypes)
+        plans += [_plan(name, index, cache, dtype, params)
+                  for name, (cache, dtype) in zip(_names(index, text), text, strict=True)]
     if not plans:
         raise KVGroupsError(f"model {model_name!r} has no layer that keeps a cache")
-    num_blocks = _num_blocks(params, plans)
-    caches = {f"model.layers.{plan.model_layer}": _layer_value(plan, num_blocks) for plan in plans}
-    names = list(caches)
-    specs = {name: plan.cache.spec for name, plan in zip(names, plans, strict=True)}
-    layouts = {name: plan.layout for name, plan in zip(names, plans, strict=True) if plan.cache.spec.token_indexed}
+    cross = _cross_attention(image_caches, dtypes, params)
+    num_blocks = _num_blocks(params, plans, cross.bytes_per_sequence if cross else 0)
+    values = {plan.name: _layer_value(plan, num_blocks) for plan in plans}
+    specs = {plan.name: plan.cache.spec for plan in plans}
+    layouts = {plan.name: plan.layout for plan in plans if plan.cache.spec.token_indexed}
     use_mla = any(layout is KVLayout.MLA for layout in layouts.values())
     first = plans[0].cache
-    kv_shape = (len(caches), 1 if use_mla else 2, params.chunk_size, 1 if use_mla else first.num_kv_heads,
+    kv_shape = (len(values), 1 if use_mla else 2, params.chunk_size, 1 if use_mla else first.num_kv_heads,
                 first.head_size)
     metadata = LMCacheMetadata(
         model_name=model_name, world_size=params.tp, local_world_size=params.tp, worker_id=params.rank,
-        local_worker_id=params.rank, kv_dtype=kv_dtype, kv_shape=kv_shape, use_mla=use_mla,
+        local_worker_id=params.rank, kv_dtype=dtypes.kv, kv_shape=kv_shape, use_mla=use_mla,
         chunk_size=params.chunk_size,
     )
-    metadata.kv_layer_groups_manager.build_kv_layer_groups(caches, specs, layout=layouts)
+    metadata.kv_layer_groups_manager.build_kv_layer_groups(values, specs, layout=layouts)
     return RankBuild(
         metadata=metadata,
-        model_layer_of={name: plan.model_layer for name, plan in zip(names, plans, strict=True)},
-        num_blocks=num_blocks, kv_dtype=kv_dtype, state_dtype=state_dtype, layers_with_cache=len(plans),
+        model_layer_of={plan.name: plan.model_layer for plan in plans},
+        holds_of={plan.name: plan.cache.holds for plan in plans},
+        num_blocks=num_blocks, dtypes=dtypes, layers_with_cache=layers_with_cache, cross_attention=cross,
     )

@@ -1,11 +1,16 @@
 """What each layer of a model caches, independent of any engine: one frozen type per layer family.
 
-Each type answers for itself how its cache splits over tensor-parallel ranks
-(:meth:`rank_cache`), so nothing downstream switches on the layer family.
+Each type answers for itself what it keeps on one of ``tp`` tensor-parallel ranks
+(:meth:`ModelLayer.rank_caches`), so nothing downstream switches on the layer family. A layer may
+keep several caches (an attention K/V cache beside a mamba state, an MLA latent beside a sparse
+indexer's keys, a conv state and an SSM state that live in different dtypes). The recurrent
+layers live in :mod:`kvgroups.models.state_layers`.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,30 +18,52 @@ from kvgroups.errors import ModelConfigError
 from kvgroups.kinds import FullAttention, LayerCacheSpec, MLAttention, RecurrentState
 
 
+class CacheRole(enum.Enum):
+    """Which dtype a cache is kept in (resolved by the engine from its options and the config)."""
+
+    KV = "kv"  # keys and values, MLA latents: --kv-dtype
+    CONV_STATE = "conv_state"  # --conv-state-dtype, else --state-dtype
+    SSM_STATE = "ssm_state"  # --ssm-state-dtype, else the config's SSM-state dtype, else --state-dtype
+    STATE = "state"  # --state-dtype only (vLLM keeps a lightning-attention state in its mamba cache dtype)
+    FIXED = "fixed"  # the cache's own dtype, whatever the options (a sparse indexer's uint8 keys)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankCache:
-    """One layer's cache on one tensor-parallel rank.
+    """One cache of one layer on one tensor-parallel rank.
 
     ``num_kv_heads``/``head_size`` describe token-indexed caches (MLA: 1 head of the latent
-    size); ``spec`` carries the per-rank state shapes for recurrent layers.
+    size); ``spec`` carries the per-rank state shapes for recurrent states. ``mixer`` and
+    ``part`` say what it is (``mamba2`` / ``conv``). A cache with ``tokens_per_image`` holds
+    the keys and values of image tokens (cross-attention), a fixed cost per image, not per
+    text token; it is not grouped with the text-token caches.
     """
 
     spec: LayerCacheSpec
     num_kv_heads: int
     head_size: int
     replicated: bool  # every rank holds the same bytes (MLA latents, heads fewer than ranks)
+    role: CacheRole = CacheRole.KV
+    fixed_dtype: str | None = None
+    mixer: str = "attention"
+    part: str = "k/v"
+    tokens_per_image: int | None = None
+
+    @property
+    def holds(self) -> str:
+        return f"{self.mixer} {self.part}"
 
 
 class ModelLayer(Protocol):
-    """A layer of a model, as far as its cache goes."""
+    """A layer of a model, as far as its caches go."""
 
     @property
     def summary(self) -> str:
-        """Short description for tables: ``full 8x128``, ``mamba2``."""
+        """Short description for tables: ``full_attention 8x128``, ``mamba2``."""
         ...
 
-    def rank_cache(self, tp: int, layer_index: int) -> RankCache | None:
-        """This layer's cache on one of ``tp`` ranks, or None when it keeps no cache."""
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        """This layer's caches on one of ``tp`` ranks; empty when it keeps none."""
         ...
 
 
@@ -53,7 +80,7 @@ def split_heads(num_heads: int, tp: int, what: str, layer_index: int) -> tuple[i
 
 
 def split_exactly(count: int, tp: int, what: str, layer_index: int) -> int:
-    """Heads per rank for heads that cannot be replicated (recurrent mixers)."""
+    """Heads (or channels) per rank for what cannot be replicated (recurrent mixers)."""
     if count % tp:
         raise ModelConfigError(
             f"layer {layer_index}: {what}={count} does not split over --tp {tp}; "
@@ -62,27 +89,62 @@ def split_exactly(count: int, tp: int, what: str, layer_index: int) -> int:
     return count // tp
 
 
-def conv_and_state(conv_channels: int, conv_kernel: int, state_shape: tuple[int, ...]) -> RankCache:
-    """A recurrent layer's cache: a conv state ``(channels, kernel - 1)`` and one state tensor."""
-    spec = RecurrentState(state_shapes=((conv_channels, conv_kernel - 1), state_shape))
-    return RankCache(spec=spec, num_kv_heads=1, head_size=spec.state_elements, replicated=False)
+def state_part(shape: tuple[int, ...], role: CacheRole, mixer: str, part: str) -> RankCache:
+    """One state tensor of a recurrent layer (the engine merges a layer's parts that share a dtype)."""
+    spec = RecurrentState(state_shapes=(shape,))
+    return RankCache(spec=spec, num_kv_heads=1, head_size=math.prod(shape), replicated=False, role=role,
+                     mixer=mixer, part=part)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionLayer:
-    """Keys and values of ``num_kv_heads`` heads of ``head_size``; ``spec`` says which tokens."""
+    """Keys and values of ``num_kv_heads`` heads; ``spec`` says which tokens.
+
+    ``value_head_size`` (None: ``head_size``) may differ from the keys' head size; K and V
+    planes of one layout have one head size, so values are held padded to the larger of the
+    two, as engines without a separate value head size do.
+    """
 
     spec: LayerCacheSpec = field(default_factory=FullAttention)
     num_kv_heads: int
     head_size: int
+    value_head_size: int | None = None
+
+    @property
+    def padded_head_size(self) -> int:
+        return max(self.head_size, self.value_head_size or self.head_size)
 
     @property
     def summary(self) -> str:
-        return f"{self.spec.kind.value} {self.num_kv_heads}x{self.head_size}"
+        value = f"/{self.value_head_size}" if self.value_head_size not in (None, self.head_size) else ""
+        return f"{self.spec.kind.value} {self.num_kv_heads}x{self.head_size}{value}"
 
-    def rank_cache(self, tp: int, layer_index: int) -> RankCache:
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
         heads, replicated = split_heads(self.num_kv_heads, tp, "num_kv_heads", layer_index)
-        return RankCache(spec=self.spec, num_kv_heads=heads, head_size=self.head_size, replicated=replicated)
+        return (RankCache(spec=self.spec, num_kv_heads=heads, head_size=self.padded_head_size,
+                          replicated=replicated),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionLayer:
+    """Keys and values of the image tokens a text layer attends to (mllama's cross-attention layers).
+
+    They are computed once per image and do not grow with the text, so they cost
+    ``tokens_per_image`` entries per image, not one per text token.
+    """
+
+    num_kv_heads: int
+    head_size: int
+    tokens_per_image: int
+
+    @property
+    def summary(self) -> str:
+        return f"cross_attention {self.num_kv_heads}x{self.head_size}"
+
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        heads, replicated = split_heads(self.num_kv_heads, tp, "num_kv_heads", layer_index)
+        return (RankCache(spec=FullAttention(), num_kv_heads=heads, head_size=self.head_size, replicated=replicated,
+                          mixer="cross_attention", tokens_per_image=self.tokens_per_image),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,64 +162,69 @@ class MLALayer:
     def summary(self) -> str:
         return f"mla {self.kv_lora_rank}+{self.qk_rope_head_dim}"
 
-    def rank_cache(self, tp: int, layer_index: int) -> RankCache:
-        return RankCache(spec=MLAttention(), num_kv_heads=1, head_size=self.latent_size, replicated=True)
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        return (RankCache(spec=MLAttention(), num_kv_heads=1, head_size=self.latent_size, replicated=True,
+                          mixer="mla", part="latent"),)
+
+
+# A sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): fp8 values with one fp32 scale per
+# block of this many, stored as bytes (vLLM's DeepseekV32IndexerCache).
+INDEXER_QUANT_BLOCK = 128
+INDEXER_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mamba2Layer:
-    """Mamba2 mixer: a conv state and an SSM state per sequence.
+class IndexedMLALayer:
+    """MLA plus a sparse-attention indexer (DSA) that keeps one key of ``index_head_dim`` per token.
 
-    conv: ``(num_heads * head_dim + 2 * n_groups * state_size, conv_kernel - 1)``;
-    SSM: ``(num_heads, head_dim, state_size)``. Heads split over ranks; groups split too, or
-    are replicated when there are fewer groups than ranks.
+    The indexer's keys are stored as fp8 with an fp32 scale per 128 values, ``index_head_dim +
+    index_head_dim // 128 * 4`` bytes per token, whatever the KV dtype, and the same on every
+    rank. A layer that reuses the previous layer's top-k (``has_indexer`` False) keeps no keys.
     """
 
-    num_heads: int
-    head_dim: int
-    n_groups: int
-    state_size: int
-    conv_kernel: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    has_indexer: bool = True
+
+    @property
+    def indexer_bytes(self) -> int:
+        return self.index_head_dim + self.index_head_dim // INDEXER_QUANT_BLOCK * INDEXER_SCALE_BYTES
 
     @property
     def summary(self) -> str:
-        return "mamba2"
+        indexer = f" + indexer {self.index_head_dim}" if self.has_indexer else ""
+        return f"mla {self.kv_lora_rank}+{self.qk_rope_head_dim}{indexer}"
 
-    def rank_cache(self, tp: int, layer_index: int) -> RankCache:
-        heads = split_exactly(self.num_heads, tp, "mamba_num_heads", layer_index)
-        groups, _ = split_heads(self.n_groups, tp, "n_groups", layer_index)
-        conv_channels = heads * self.head_dim + 2 * groups * self.state_size
-        return conv_and_state(conv_channels, self.conv_kernel, (heads, self.head_dim, self.state_size))
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        latent = MLALayer(kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
+        caches = latent.rank_caches(tp, layer_index)
+        if not self.has_indexer:
+            return caches
+        keys = RankCache(spec=MLAttention(), num_kv_heads=1, head_size=self.indexer_bytes, replicated=True,
+                         role=CacheRole.FIXED, fixed_dtype="uint8", mixer="indexer", part="keys")
+        return (*caches, keys)
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatedDeltaNetLayer:
-    """Gated DeltaNet linear attention (Qwen3-Next): a conv state and a recurrent state.
+class ParallelLayer:
+    """Mixers side by side in one layer, each with its own cache (Falcon-H1: attention and mamba2;
+    Zamba2's hybrid layers: a shared attention block, with a K/V cache of its own at each position,
+    and a mamba2 mixer)."""
 
-    conv: ``(2 * key_heads * key_dim + value_heads * value_dim, conv_kernel - 1)``;
-    recurrent: ``(value_heads, key_dim, value_dim)``; key and value heads split over ranks.
-    """
-
-    num_key_heads: int
-    key_head_dim: int
-    num_value_heads: int
-    value_head_dim: int
-    conv_kernel: int
+    mixers: tuple[ModelLayer, ...]
 
     @property
     def summary(self) -> str:
-        return "gated_deltanet"
+        return " + ".join(mixer.summary for mixer in self.mixers)
 
-    def rank_cache(self, tp: int, layer_index: int) -> RankCache:
-        key_heads = split_exactly(self.num_key_heads, tp, "linear_num_key_heads", layer_index)
-        value_heads = split_exactly(self.num_value_heads, tp, "linear_num_value_heads", layer_index)
-        conv_channels = 2 * key_heads * self.key_head_dim + value_heads * self.value_head_dim
-        return conv_and_state(conv_channels, self.conv_kernel, (value_heads, self.key_head_dim, self.value_head_dim))
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        return tuple(cache for mixer in self.mixers for cache in mixer.rank_caches(tp, layer_index))
 
 
 @dataclass(frozen=True, kw_only=True)
 class NoCacheLayer:
-    """A block that keeps nothing between tokens (MLP, MoE, a no-op or linear attention stand-in)."""
+    """A block that keeps nothing between tokens (MLP, MoE, a no-op, a layer sharing another's KV)."""
 
     reason: str
 
@@ -165,16 +232,21 @@ class NoCacheLayer:
     def summary(self) -> str:
         return f"none ({self.reason})"
 
-    def rank_cache(self, tp: int, layer_index: int) -> None:
-        return None
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        return ()
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A model's layers and the config facts the cache depends on."""
+    """A model's layers and the config facts the cache depends on.
+
+    ``ssm_state_dtype`` is the dtype the config names for SSM states (``mamba_ssm_cache_dtype``,
+    ``mamba_ssm_dtype``, or the family's default), None when it names none.
+    """
 
     model_type: str
     layers: tuple[ModelLayer, ...]
     torch_dtype: str
     max_position_embeddings: int | None
     warnings: tuple[str, ...] = ()
+    ssm_state_dtype: str | None = None

@@ -32,7 +32,7 @@ def _llama_like(config: ConfigFields) -> list[ModelLayer]:
     return _uniform(config, first_sliding=0)
 
 
-@family("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+@family("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", reads=("max_window_layers",))
 def _qwen(config: ConfigFields) -> list[ModelLayer]:
     """Every layer alike; the window applies from layer ``max_window_layers`` on."""
     first_sliding = 0
@@ -53,7 +53,8 @@ def _gemma2(config: ConfigFields) -> list[ModelLayer]:
 
 @family("gemma3", "gemma3_text", defaults={"head_dim": 256, "sliding_window": 4096,
                                             "max_position_embeddings": 131072, "num_key_value_heads": 4,
-                                            "num_hidden_layers": 26, "num_attention_heads": 8})
+                                            "num_hidden_layers": 26, "num_attention_heads": 8},
+        reads=("sliding_window_pattern",))
 def _gemma3(config: ConfigFields) -> list[ModelLayer]:
     """Every ``sliding_window_pattern``-th layer (default 6) is global, the rest slide."""
     pattern = config.integer("sliding_window_pattern") if config.get("sliding_window_pattern") else 6
@@ -71,8 +72,7 @@ def _gpt_oss(config: ConfigFields) -> list[ModelLayer]:
     )
 
 
-
-@family("nemotron-nas", "deci", "decilm")
+@family("nemotron-nas", "deci", "decilm", reads=("block_configs",))
 def _nemotron_nas(config: ConfigFields) -> list[ModelLayer]:
     """DeciLM ``block_configs``: per-layer kv heads (num_attention_heads / n_heads_in_group)."""
     blocks = config.get("block_configs")
@@ -106,7 +106,7 @@ def _nemotron_nas(config: ConfigFields) -> list[ModelLayer]:
 @family("llama4", "llama4_text", defaults={
     "head_dim": 128, "num_key_value_heads": 8, "attention_chunk_size": 8192, "no_rope_layer_interval": 4,
     "max_position_embeddings": 131072,
-})
+}, reads=("attention_chunk_size", "no_rope_layers"))
 def _llama4(config: ConfigFields) -> list[ModelLayer]:
     """Chunked local attention on RoPE layers; NoPE layers (every 4th by default) are global."""
     num_layers = config.integer("num_hidden_layers")

@@ -1,16 +1,18 @@
-"""Hybrid families: recurrent layers (mamba, gated DeltaNet) beside attention layers."""
+"""Linear-attention hybrids: gated DeltaNet (Qwen3-Next, Qwen3.5), lightning attention (MiniMax),
+short convolutions (LFM2), each beside full-attention layers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from kvgroups.errors import ModelConfigError
-from kvgroups.kinds import FullAttention
 from kvgroups.models.config_fields import ConfigFields, family, from_layer_types
-from kvgroups.models.layers import (
-    GatedDeltaNetLayer,
-    Mamba2Layer,
-    ModelLayer,
-    NoCacheLayer,
-)
+from kvgroups.models.layers import ModelLayer
+from kvgroups.models.state_layers import GatedDeltaNetLayer, LightningAttentionLayer, ShortConvLayer
+
+_GDN_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "mamba_ssm_dtype")
 
 
 def _gated_deltanet(config: ConfigFields) -> GatedDeltaNetLayer:
@@ -23,12 +25,7 @@ def _gated_deltanet(config: ConfigFields) -> GatedDeltaNetLayer:
     )
 
 
-@family("qwen3_next", defaults={
-    "head_dim": 256, "num_key_value_heads": 2, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "max_position_embeddings": 32768,
-}, layer_types={"linear_attention": _gated_deltanet})
-def _qwen3_next(config: ConfigFields) -> list[ModelLayer]:
+def _every_interval(config: ConfigFields) -> list[ModelLayer]:
     """Every ``full_attention_interval``-th layer is full attention, the others Gated DeltaNet."""
     interval = config.integer("full_attention_interval")
     num_layers = config.integer("num_hidden_layers")
@@ -38,40 +35,65 @@ def _qwen3_next(config: ConfigFields) -> list[ModelLayer]:
     )
 
 
-@family("nemotron_h", defaults={
-    "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
-    "conv_kernel": 4, "num_key_value_heads": 8,
-}, reads_layer_types=False)  # its reader maps layers_block_type / layer_types to its own symbols
-def _nemotron_h(config: ConfigFields) -> list[ModelLayer]:
-    """``hybrid_override_pattern``: M mamba2, * attention, - MLP, E MoE (the last two cache nothing)."""
-    pattern = config.get("hybrid_override_pattern")
-    block_types = config.get("layers_block_type") or config.get("layer_types")
-    if isinstance(pattern, str):
-        symbols = list(pattern)
-    elif isinstance(block_types, list):
-        names = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
-                 "mlp": "-", "moe": "E"}
-        unknown = sorted({str(kind) for kind in block_types if kind not in names})
-        if unknown:
-            raise ModelConfigError(f"layers_block_type has unknown entries {unknown}")
-        symbols = [names[kind] for kind in block_types]
-    else:
-        raise ModelConfigError("nemotron_h config lacks hybrid_override_pattern (or layers_block_type)")
-    mamba = Mamba2Layer(
-        num_heads=config.integer("mamba_num_heads"), head_dim=config.integer("mamba_head_dim"),
-        n_groups=config.integer("n_groups"), state_size=config.integer("ssm_state_size"),
-        conv_kernel=config.integer("conv_kernel", minimum=2),
+_GDN_DEFAULTS: Mapping[str, Any] = {
+    "head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "max_position_embeddings": 32768,
+}
+family("qwen3_next", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 2},
+       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS,
+       ssm_dtype_fields=("mamba_ssm_dtype",))(_every_interval)
+# Qwen3.5 names its SSM states' dtype (mamba_ssm_dtype: float32), which vLLM honours.
+family("qwen3_5", "qwen3_5_text", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 4},
+       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS,
+       ssm_dtype_fields=("mamba_ssm_dtype",))(_every_interval)
+family("qwen3_5_moe", "qwen3_5_moe_text", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 2},
+       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS,
+       ssm_dtype_fields=("mamba_ssm_dtype",))(_every_interval)
+
+
+def _lightning(config: ConfigFields) -> ModelLayer:
+    return LightningAttentionLayer(num_heads=config.integer("num_attention_heads"), head_dim=config.head_size())
+
+
+@family("minimax", "minimax_m1", "minimax_text_01", defaults={"num_key_value_heads": 8,
+                                                            "max_position_embeddings": 131072},
+        layer_types={"linear_attention": _lightning}, reads_layer_types=False, reads=("attn_type_list",))
+def _minimax(config: ConfigFields) -> list[ModelLayer]:
+    """``layer_types``, else ``attn_type_list`` (0 lightning, 1 softmax attention, as vLLM reads it), else
+    transformers' default (even layers full)."""
+    num_layers = config.integer("num_hidden_layers")
+    layer_types = config.data.get("layer_types")
+    attn_types = config.int_list("attn_type_list")
+    from_attn_types = None
+    if attn_types is not None:
+        if len(attn_types) != num_layers or set(attn_types) - {0, 1}:
+            raise ModelConfigError(f"attn_type_list must hold {num_layers} entries of 0 or 1, got {attn_types!r}")
+        from_attn_types = ["full_attention" if kind else "linear_attention" for kind in attn_types]
+    if isinstance(layer_types, list):
+        if from_attn_types is not None and list(layer_types) != from_attn_types:
+            raise ModelConfigError("layer_types and attn_type_list disagree on which layers are linear attention")
+        return from_layer_types(config, layer_types)
+    if from_attn_types is not None:
+        return from_layer_types(config, from_attn_types)
+    return from_layer_types(
+        config, ["full_attention" if (index + 1) % 2 else "linear_attention" for index in range(num_layers)]
     )
-    layers: list[ModelLayer] = []
-    for index, symbol in enumerate(symbols):
-        if symbol == "M":
-            layers.append(mamba)
-        elif symbol == "*":
-            layers.append(config.attention(FullAttention(), "attention_head_dim", "head_dim"))
-        elif symbol in "-E":
-            layers.append(NoCacheLayer(reason="mlp" if symbol == "-" else "moe"))
-        else:
-            raise ModelConfigError(
-                f"hybrid_override_pattern position {index}: {symbol!r} is not one of M, *, -, E"
-            )
-    return layers
+
+
+def _short_conv(config: ConfigFields) -> ModelLayer:
+    channels = config.integer("conv_dim") if config.get("conv_dim") is not None else config.integer("hidden_size")
+    return ShortConvLayer(channels=channels, conv_kernel=config.integer("conv_L_cache", minimum=2))
+
+
+@family("lfm2", defaults={"num_key_value_heads": 8, "conv_L_cache": 3, "max_position_embeddings": 128000},
+        layer_types={"conv": _short_conv},
+        reads=("conv_L_cache", "conv_dim", "conv_dim_out", "conv_bias", "conv_use_xavier_init", "full_attn_idxs"))
+def _lfm2(config: ConfigFields) -> list[ModelLayer]:
+    """``layer_types`` (``conv`` / ``full_attention``), else attention at ``full_attn_idxs``, else (as in
+    transformers) attention everywhere."""
+    num_layers = config.integer("num_hidden_layers")
+    full = set(range(num_layers))
+    if config.get("full_attn_idxs") is not None:
+        full = config.layer_indices("full_attn_idxs")
+    return from_layer_types(config, ["full_attention" if index in full else "conv" for index in range(num_layers)])

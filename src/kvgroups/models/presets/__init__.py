@@ -18,7 +18,7 @@ _PRESETS = resources.files(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class LoadedConfig:
-    name: str  # preset name or the model directory's name
+    name: str  # preset name; a directory's name; a file's name without .json (config.json: its directory's)
     source: str  # "preset" or the file path
     config: dict[str, Any]
 
@@ -28,6 +28,8 @@ def preset_names() -> list[str]:
 
 
 def _parse(text: str, where: str) -> dict[str, Any]:
+    if not text.strip():
+        raise ModelConfigError(f"{where}: the file is empty; expected a Hugging Face config.json (a JSON object)")
     try:
         data = json.loads(text)  # accepts Infinity/NaN, which real configs contain
     except json.JSONDecodeError as error:

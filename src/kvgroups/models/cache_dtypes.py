@@ -1,0 +1,56 @@
+"""Which dtype each cache of a model is kept in, from the engine's options and the config.
+
+As in vLLM: keys and values in the KV dtype; conv states in the conv-state dtype, else the state
+dtype; SSM states in the SSM-state dtype, else the dtype the config names for them
+(``mamba_ssm_cache_dtype``, ``mamba_ssm_dtype``), else the state dtype; a lightning-attention
+state in the state dtype; every option that is not given falls back to the config's
+``torch_dtype``. A sparse indexer's keys keep their own dtype (uint8) whatever the options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgroups.dtypes import KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
+from kvgroups.errors import ModelConfigError
+from kvgroups.models.layers import CacheRole, ModelSpec, RankCache
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheDtypes:
+    kv: torch.dtype
+    state: torch.dtype
+    conv_state: torch.dtype
+    ssm_state: torch.dtype
+
+    def of(self, cache: RankCache) -> torch.dtype:
+        if cache.role is CacheRole.FIXED:
+            return dtype_from_name(cache.fixed_dtype or "")
+        return {
+            CacheRole.KV: self.kv, CacheRole.STATE: self.state, CacheRole.CONV_STATE: self.conv_state,
+            CacheRole.SSM_STATE: self.ssm_state,
+        }[cache.role]
+
+
+def _from_config(spec: ModelSpec, allowed: tuple[str, ...], what: str, option: str) -> torch.dtype:
+    name = spec.torch_dtype.removeprefix("torch.")
+    if name not in allowed:
+        raise ModelConfigError(
+            f"config torch_dtype {spec.torch_dtype!r} cannot hold {what}; expected one of {', '.join(allowed)} "
+            f"(or choose with {option})"
+        )
+    return dtype_from_name(name)
+
+
+def resolve_dtypes(
+    spec: ModelSpec, *, kv: torch.dtype | None, state: torch.dtype | None, conv_state: torch.dtype | None,
+    ssm_state: torch.dtype | None,
+) -> CacheDtypes:
+    """Every role's dtype; None options fall back as the module says."""
+    kv_dtype = kv or _from_config(spec, KV_CACHE_DTYPES, "a KV cache", "--kv-dtype")
+    state_dtype = state or _from_config(spec, STATE_DTYPES, "a recurrent state", "--state-dtype")
+    config_ssm = dtype_from_name(spec.ssm_state_dtype) if spec.ssm_state_dtype else None
+    return CacheDtypes(kv=kv_dtype, state=state_dtype, conv_state=conv_state or state_dtype,
+                       ssm_state=ssm_state or config_ssm or state_dtype)
