@@ -1,14 +1,18 @@
-"""Run vLLM engines in a fresh process, phase after phase, and write what each request produced.
+"""Run one vLLM engine in a fresh process, phase after phase, and write what each request produced.
 
-``python -m tests.vllm_connector.engine_runner JOB.json`` where the job is ``{"model": dir, "dtype": ...,
-"phases": [{"connector": extra_config or null, "requests": [{"prompt_token_ids": [...],
-"cache_salt": ...}], "before": {"stop_pid": pid} (optional)}], "out": path}``. Consecutive phases
-with the same connector settings share one engine. Greedy, with logprobs, vLLM's prefix cache off.
+``python -m tests.vllm_connector.engine_runner JOB.json`` where the job is ``{"model": dir,
+"dtype": ..., "connector": extra_config or null, "phases": [{"requests": [{"prompt_token_ids":
+[...], "cache_salt": ...}], "before": {"stop_pid": pid} (optional)}], "out": path, "store_dir":
+dir (optional)}``. Greedy, with logprobs, vLLM's prefix cache off. With ``store_dir`` (a file
+store), each phase's result lists the keys the store holds after it, its saves written.
+
+One engine per process, as deployments run them: vLLM 0.32 cannot build a second engine in a
+process that has loaded llvmlite (numba's compiler, which the connector's CPU kernel uses): its
+Triton kernel rebinding scans every module and trips over llvmlite's function table.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -33,27 +37,43 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
                max_num_seqs=4, max_num_batched_tokens=job.get("max_num_batched_tokens", 2048), seed=0, **extra)
 
 
+def flush_saves(worker: Any = None) -> int:
+    """In a worker: wait until the connector's queued saves are written (run through collective_rpc)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return 0
+    store = get_kv_transfer_group()._worker.store
+    if store is not None:
+        store.flush()
+    return 1
+
+
+def _stored_keys(directory: str) -> list[str]:
+    from kvgroups.store import FileStore
+
+    if not Path(directory).exists():
+        return []
+    return sorted(FileStore(directory).iter_keys())
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=2, ignore_eos=True)
+    engine = _engine(job, job.get("connector"))
     results: list[dict[str, Any]] = []
-    engine, engine_settings = None, object()
     for phase in job["phases"]:
         before = phase.get("before", {})
         if "stop_pid" in before:
             os.kill(before["stop_pid"], signal.SIGKILL)
             time.sleep(0.2)
-        if phase.get("connector") != engine_settings:
-            engine = None
-            gc.collect()
-            engine_settings = phase.get("connector")
-            engine = _engine(job, engine_settings)
-        assert engine is not None
         started = time.perf_counter()
         outputs = engine.generate(phase["requests"], params, use_tqdm=False)
         elapsed = time.perf_counter() - started
+        if job.get("connector") is not None:
+            engine.collective_rpc(flush_saves)
         results.append({
             "seconds": elapsed,
             "outputs": [{
@@ -63,6 +83,8 @@ def main() -> None:
                 "num_cached_tokens": output.num_cached_tokens,
             } for output in outputs],
         })
+        if "store_dir" in job:
+            results[-1]["store_keys"] = _stored_keys(job["store_dir"])
         Path(job["out"]).write_text(json.dumps(results))
 
 

@@ -1,0 +1,142 @@
+"""vLLM engines with the connector, in two fresh processes each: the second reuses what the first stored.
+
+Tiny random-weight models saved here; greedy with logprobs; vLLM's own prefix cache off, so every
+cached token is the connector's. Outputs are compared with a run without the connector in the
+same execution mode (vLLM's in-process and multiprocess engines differ in float rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvgroups.dtypes import dtype_from_name
+from kvgroups.store import FileStore
+from kvgroups.store.codec import EntryInfo, decode_entry, encode_entry, read_header
+from tests.servers import running_server
+from tests.vllm_connector.tiny_vllm_models import save_model
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 64
+PROMPT_TOKENS = 300  # 4 full chunks; a hit covers 256 (never the last prompt token)
+
+
+def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    return [4 + (index * 37 + seed * 101 + 11) % 508 for index in range(length)]
+
+
+def run_engines(job: dict[str, Any], tmp_path: Path, name: str, *, multiprocess: bool) -> list[dict[str, Any]]:
+    """Run the job's phases in a fresh Python process; each phase's outputs (and the store's keys after it)."""
+    job = {**job, "out": str(tmp_path / f"{name}.json")}
+    job_path = tmp_path / f"{name}-job.json"
+    job_path.write_text(json.dumps(job))
+    environment = {
+        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        # Lets the runner ask the workers to finish their queued saves (a test-only RPC).
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    completed = subprocess.run([sys.executable, "-m", "tests.vllm_connector.engine_runner", str(job_path)],
+                               cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return list(json.loads(Path(job["out"]).read_text()))
+
+
+def outputs(phase: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+    return [(output["token_ids"], output["logprobs"]) for output in phase["outputs"]]
+
+
+def cached(phase: dict[str, Any]) -> list[int]:
+    return [output["num_cached_tokens"] for output in phase["outputs"]]
+
+
+def requests(*token_lists: list[int], cache_salt: str | None = None) -> list[dict[str, Any]]:
+    return [{"prompt_token_ids": tokens, **({"cache_salt": cache_salt} if cache_salt else {})}
+            for tokens in token_lists]
+
+
+def add_noise(store_dir: Path, key: str) -> None:
+    """Replace an entry by a valid one (checksum and all) holding other KV: a load that uses it must differ."""
+    import torch
+
+    store = FileStore(store_dir)
+    value = store.get(key)
+    assert value is not None
+    fields = read_header(value)["__metadata__"]
+    info = EntryInfo(key=fields["key"], fingerprint=fields["fingerprint"], group_index=int(fields["group"]),
+                     chunk_index=int(fields["chunk"]), dtype=dtype_from_name(fields["dtype"]),
+                     shape=tuple(json.loads(fields["shape"])))
+    tensor = decode_entry(value, info)
+    store.put(key, encode_entry(tensor + torch.randn(tensor.shape).to(tensor.dtype), info))
+
+
+def flip_a_byte(store_dir: Path, key: str) -> None:
+    path = Path(FileStore(store_dir)._path(key))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp_path: Path) -> None:
+    model = str(save_model("llama", tmp_path / "llama"))
+    store_dir = tmp_path / "kv"
+    connector = {"store": f"file://{store_dir}", "chunk_size": CHUNK, "salt": "deployment-a"}
+    x, y, z = prompt(0), prompt(1), prompt(2)
+    job = {"model": model, "store_dir": str(store_dir)}
+    baseline = run_engines({**job, "connector": None, "phases": [
+        {"requests": requests(x)}, {"requests": requests(y)}, {"requests": requests(z)},
+    ]}, tmp_path, "baseline", multiprocess=False)
+    expected = {"x": outputs(baseline[0]), "y": outputs(baseline[1]), "z": outputs(baseline[2])}
+    first = run_engines({**job, "connector": connector, "phases": [
+        {"requests": requests(x)},
+        {"requests": requests(y[:CHUNK + 1])},  # stores y's first chunk only
+        {"requests": requests(y)},
+        {"requests": requests(z)},
+    ]}, tmp_path, "first", multiprocess=False)
+    assert cached(first[0]) == [0] and outputs(first[0]) == expected["x"]  # storing changes nothing
+    keys_after = [set(phase["store_keys"]) for phase in first]
+    assert len(keys_after[0]) == 4  # x's 4 full chunks, one group
+    (y_first_chunk,) = keys_after[1] - keys_after[0]
+    flip_a_byte(store_dir, y_first_chunk)
+    for key in keys_after[3] - keys_after[2]:
+        add_noise(store_dir, key)
+
+    second = run_engines({**job, "connector": connector, "phases": [
+        {"requests": requests(x)},
+        {"requests": requests(y)},
+        {"requests": requests(x, cache_salt="another-user")},
+        {"requests": requests(z)},
+    ]}, tmp_path, "second", multiprocess=False)
+    assert cached(second[0]) == [256] and outputs(second[0]) == expected["x"]  # tokens and logprobs, exactly
+    assert cached(second[1]) == [0] and outputs(second[1]) == expected["y"]  # a flipped byte: no hit
+    assert cached(second[2]) == [0] and outputs(second[2]) == expected["x"]  # another cache salt
+    assert cached(second[3]) == [256] and outputs(second[3]) != expected["z"]  # the loaded KV is what is used
+    other = run_engines({**job, "connector": {**connector, "salt": "deployment-b"}, "phases": [
+        {"requests": requests(x)},
+    ]}, tmp_path, "other-salt", multiprocess=False)
+    assert cached(other[0]) == [0] and outputs(other[0]) == expected["x"]  # another connector salt
+
+
+def test_gemma3_sliding_and_full_groups_reuse_redis_in_multiprocess_engines(tmp_path: Path) -> None:
+    model = str(save_model("gemma3", tmp_path / "gemma3"))
+    x, y = prompt(3), prompt(4)
+    with running_server(tmp_path) as server:
+        connector = {"store": server.url, "chunk_size": CHUNK}
+        baseline = run_engines({"model": model, "connector": None, "phases": [
+            {"requests": requests(x)}, {"requests": requests(y)},
+        ]}, tmp_path, "baseline", multiprocess=True)
+        first = run_engines({"model": model, "connector": connector, "phases": [
+            {"requests": requests(x)}, {"requests": requests(y)},
+        ]}, tmp_path, "first", multiprocess=True)
+        assert cached(first[0]) == [0] and outputs(first[0]) == outputs(baseline[0])
+        second = run_engines({"model": model, "connector": connector, "phases": [
+            {"requests": requests(x)},
+            # The server dies mid-run: the engine goes on, with misses.
+            {"requests": requests(y), "before": {"stop_pid": server.process.pid}},
+        ]}, tmp_path, "second", multiprocess=True)
+    assert cached(second[0]) == [256] and outputs(second[0]) == outputs(baseline[0])
+    assert cached(second[1]) == [0] and outputs(second[1]) == outputs(baseline[1])
