@@ -140,3 +140,32 @@ def test_gemma3_sliding_and_full_groups_reuse_redis_in_multiprocess_engines(tmp_
         ]}, tmp_path, "second", multiprocess=True)
     assert cached(second[0]) == [256] and outputs(second[0]) == outputs(baseline[0])
     assert cached(second[1]) == [0] and outputs(second[1]) == outputs(baseline[1])
+
+
+def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path) -> None:
+    """A hybrid: linear-attention (gated DeltaNet) layers keep a state, full-attention layers K/V.
+
+    vLLM sets this model's attention block size to 160 (its pages must hold a state), so chunks
+    are 160 tokens; prefill steps of one chunk end on chunk boundaries, where states are saved.
+    """
+    model = str(save_model("qwen3_next", tmp_path / "qwen3_next"))
+    store_dir = tmp_path / "kv"
+    job = {"model": model, "dtype": "bfloat16", "max_num_batched_tokens": 160, "store_dir": str(store_dir),
+           "connector": {"store": f"file://{store_dir}", "chunk_size": 160}}
+    x = prompt(5, length=400)  # a hit covers 320 tokens: two chunks
+    phases = [{"requests": requests(x)}]
+    baseline = run_engines({**job, "connector": None, "phases": phases}, tmp_path, "baseline", multiprocess=False)
+    first = run_engines({**job, "phases": phases}, tmp_path, "first", multiprocess=False)
+    assert cached(first[0]) == [0] and outputs(first[0]) == outputs(baseline[0])
+    assert len(first[0]["store_keys"]) == 4  # 2 chunks x (state group, attention group)
+    second = run_engines({**job, "phases": phases}, tmp_path, "second", multiprocess=False)
+    assert cached(second[0]) == [320] and outputs(second[0]) == outputs(baseline[0])
+    # Noise in the states alone changes the output: the restored state is what the layers continue from.
+    store = FileStore(store_dir)
+    states = [key for key in first[0]["store_keys"]
+              if json.loads(read_header(store.get(key) or b"")["__metadata__"]["shape"])[2] == 1]
+    assert len(states) == 2
+    for key in states:
+        add_noise(store_dir, key)
+    third = run_engines({**job, "phases": phases}, tmp_path, "third", multiprocess=False)
+    assert cached(third[0]) == [320] and outputs(third[0]) != outputs(baseline[0])
