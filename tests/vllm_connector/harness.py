@@ -119,9 +119,11 @@ class SchedulerHarness:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, request_id: str, tokens: list[int], *, max_tokens: int = 2, cache_salt: str | None = None) -> Request:
+    def add(self, request_id: str, tokens: list[int], *, max_tokens: int = 2, cache_salt: str | None = None,
+            kv_transfer_params: dict[str, Any] | None = None) -> Request:
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         request = Request(request_id=request_id, prompt_token_ids=tokens,
-                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
                           pooling_params=None, block_hasher=self.hasher, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         return request

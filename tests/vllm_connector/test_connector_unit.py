@@ -234,3 +234,40 @@ def test_bad_settings_are_named(gemma3_dir: Path, tmp_path: Path) -> None:
         Deployment(vllm_config(gemma3_dir, {"store": f"file://{tmp_path}", "chunk_size": 40}), kv)
     with pytest.raises(ConnectorConfigError, match=r"unknown keys \['chunk'\].*lives in one process"):
         Deployment(vllm_config(gemma3_dir, {"store": "memory://", "chunk": 32}), kv)
+
+
+def test_a_request_can_opt_out_of_loading_or_saving(gemma3_dir: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    tokens = prompt(100)
+    extra = file_store(tmp_path)
+    fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+    harness, _ = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness.add("no-load", tokens, kv_transfer_params={"kvgroups": {"load": False}})
+    harness.add("no-save", prompt(100, seed=9), kv_transfer_params={"kvgroups": {"save": False}})
+    harness.add("bad-options", tokens, kv_transfer_params={"kvgroups": {"load": "no"}})
+    step = harness.step()
+    assert {new.req_id: new.num_computed_tokens for new in step.output.scheduled_new_reqs} == {
+        "no-load": 0, "no-save": 0, "bad-options": 96}
+    assert {save.request_id for save in step.metadata.saves} == {"no-load"}
+    assert "must be {'load': bool, 'save': bool}" in caplog.text
+
+
+def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from kvgroups.integrations.vllm.settings import model_identity
+
+    # Another node's copy: another parent directory, fresh modification times, the same bytes.
+    copy = Path(shutil.copytree(gemma3_dir, tmp_path / "node-2" / gemma3_dir.name, copy_function=shutil.copyfile))
+    extra = file_store(tmp_path)
+    original = model_identity(vllm_config(gemma3_dir, extra))
+    assert model_identity(vllm_config(copy, extra)) == original
+    assert original.startswith(f"{gemma3_dir.name}|weights-") and original.endswith("|vllm-0.32|torch.float32|"
+                                                                                    "quantization-none")
+    # A fine-tune written over the copy: same names and sizes, other bytes.
+    (weights,) = copy.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = bytes(255 - byte for byte in data[header:])
+    weights.write_bytes(bytes(data))
+    assert model_identity(vllm_config(copy, extra)) != original

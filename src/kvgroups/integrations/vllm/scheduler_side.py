@@ -23,11 +23,29 @@ from kvgroups.store.urls import open_store
 logger = logging.getLogger(__name__)
 
 
+def request_options(request: Any) -> tuple[bool, bool]:
+    """Whether the store may serve and may save ``request``: ``kv_transfer_params={"kvgroups": {"load":
+    bool, "save": bool}}`` (both True when absent) turns either off for one request."""
+    params = getattr(request, "kv_transfer_params", None)
+    options = params.get("kvgroups") if isinstance(params, dict) else None
+    if options is None:
+        return True, True
+    if not isinstance(options, dict) or set(options) - {"load", "save"} or not all(
+            isinstance(value, bool) for value in options.values()):
+        # Raising here would stop the engine for every request; this one just gets the defaults.
+        logger.warning("request %s: kv_transfer_params['kvgroups'] must be {'load': bool, 'save': bool}, got %r; "
+                       "ignored", request.request_id, options)
+        return True, True
+    return options.get("load", True), options.get("save", True)
+
+
 @dataclass
 class _Tracked:
     request: Any
     tokens: np.ndarray  # prompt token ids, uint32
     salt: str
+    may_load: bool = True
+    may_save: bool = True
     hit_tokens: int | None = None  # verified store hit, once looked up
     queried_local: int = 0  # the local (vLLM prefix cache) hit the lookup was asked after
     load: tuple[int, int] | None = None  # (num_tokens, local_tokens) to load in the next plan
@@ -61,14 +79,16 @@ class SchedulerSide:
             salt = request_salt(request)
             if salt is None:
                 return None
-            tracked = _Tracked(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt)
+            may_load, may_save = request_options(request)
+            tracked = _Tracked(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
+                               may_load=may_load, may_save=may_save)
             self._requests[request.request_id] = tracked
         return tracked
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` the store serves (loaded before the next forward)."""
         tracked = self._track(request)
-        if tracked is None or not self.deployment.is_consumer or self.deployment.unservable:
+        if tracked is None or not tracked.may_load or not self.deployment.is_consumer or self.deployment.unservable:
             return 0, False
         usable = (len(tracked.tokens) - 1) // self.chunk_size * self.chunk_size
         if usable <= num_computed_tokens:
@@ -119,7 +139,7 @@ class SchedulerSide:
                     request_salt=tracked.salt, num_tokens=num_tokens, local_tokens=local_tokens,
                     block_ids=block_ids,
                 ))
-            if not self.deployment.is_producer:
+            if not self.deployment.is_producer or not tracked.may_save:
                 continue
             end = min(start + int(num_scheduled), len(tracked.tokens))
             chunks = tuple(

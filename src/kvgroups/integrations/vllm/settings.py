@@ -14,14 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import vllm
+from huggingface_hub import snapshot_download
 
 from kvgroups.errors import KVGroupsError
 
 KNOWN_KEYS = ("store", "chunk_size", "salt")
 DEFAULT_CHUNK_SIZE = 256
-# Weight files whose names, sizes and modification times stand for the weights (reading them would
-# take minutes for a large model).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# A weight file stands for itself by its size and this many evenly spaced samples of its bytes:
+# reading whole files would take minutes for a large model, while a fine-tune changes nearly
+# every block (so a sample sees it) and a copy on another node has the same bytes (so its engines
+# share chunks; names, paths and modification times would keep them apart).
+_SAMPLES_PER_FILE = 16
+_SAMPLE_BYTES = 4096
 
 
 class ConnectorConfigError(KVGroupsError):
@@ -72,9 +77,10 @@ class ConnectorSettings:
 
 
 def _weights_digest(directory: str) -> str:
-    """SHA-256 of config.json and of every weight file's name, size and modification time."""
+    """SHA-256 of config.json and of every weight file's relative name, size and sampled bytes."""
     digest = hashlib.sha256()
-    for root, _, files in sorted(os.walk(directory)):
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
         for name in sorted(files):
             path = os.path.join(root, name)
             relative = os.path.relpath(path, directory)
@@ -82,20 +88,40 @@ def _weights_digest(directory: str) -> str:
                 with open(path, "rb") as handle:
                     digest.update(b"config:" + handle.read())
             elif name.endswith(_WEIGHT_SUFFIXES):
-                status = os.stat(path)
-                digest.update(f"{relative}:{status.st_size}:{status.st_mtime_ns};".encode())
+                size = os.path.getsize(path)
+                digest.update(f"{relative}:{size}:".encode())
+                last = max(size - _SAMPLE_BYTES, 0)
+                with open(path, "rb") as handle:
+                    for sample in range(_SAMPLES_PER_FILE):
+                        handle.seek(last * sample // (_SAMPLES_PER_FILE - 1))
+                        digest.update(handle.read(_SAMPLE_BYTES))
     return digest.hexdigest()[:32]
+
+
+def _hub_snapshot(name: str, revision: str | None) -> str | None:
+    """The commit a hub model's weights were downloaded at (its cached snapshot's name), if cached."""
+    try:
+        return os.path.basename(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception:  # not cached, offline, a private repo: the revision asked for names it then
+        return None
 
 
 def model_identity(vllm_config: Any) -> str:
     """The name a deployment's chunks are stored under: the model, its weights, and what computes its KV.
 
-    A local model directory is identified by its config and its weight files (names, sizes,
-    modification times); a hub name by name and revision. The vLLM version and the model's
-    dtype and quantization enter too, since they change the KV bytes.
+    A local model directory is identified by its name, its config and its weight files (sizes and
+    sampled bytes, not paths or times: a copy on another node shares chunks, a fine-tune written
+    over it does not); a hub name by the commit of its cached snapshot (else the revision asked
+    for). The vLLM version and the model's dtype and quantization enter too, since they change
+    the KV bytes.
     """
     model = vllm_config.model_config
     name = str(model.model)
-    weights = f"dir-{_weights_digest(name)}" if os.path.isdir(name) else f"revision-{model.revision or 'default'}"
+    if os.path.isdir(name):
+        weights = f"weights-{_weights_digest(name)}"
+        name = os.path.basename(os.path.normpath(name))
+    else:
+        snapshot = _hub_snapshot(name, model.revision)
+        weights = f"commit-{snapshot}" if snapshot else f"revision-{model.revision or 'default'}"
     version = ".".join(vllm.__version__.split(".")[:2])
     return f"{name}|{weights}|vllm-{version}|{model.dtype}|quantization-{model.quantization or 'none'}"
