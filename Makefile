@@ -60,8 +60,9 @@ test: $(VENV)/.installed redis-server
 test-vllm: $(VLLM_VENV)/.installed redis-server
 	$(VLLM_BIN)/pytest tests/vllm_connector
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/groups.py
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/reuse.py
+	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
