@@ -14,10 +14,7 @@ reads from the store against the bytes of every layer's chunks.
 from __future__ import annotations
 
 import argparse
-import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +25,7 @@ import torch
 import transformers
 
 from kvgroups.integrations.transformers import PrefixCache
+from local_redis import local_redis
 
 PROMPT, SHARED, CHUNK = 4096, 3840, 256
 
@@ -52,24 +50,6 @@ def gemma3_like() -> Any:
 def plain_prefill(model: Any, ids: torch.Tensor) -> None:
     with torch.no_grad():
         model(ids[None], logits_to_keep=1)
-
-
-def redis_server(directory: Path) -> tuple[subprocess.Popen[bytes] | None, str | None]:
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        return None, None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                               "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return server, f"redis://127.0.0.1:{port}/0"
 
 
 def miss_pair(model: Any, cache: PrefixCache, generator: torch.Generator) -> tuple[float, float]:
@@ -97,8 +77,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     stored = torch.randint(3, 32000, (PROMPT,), generator=generator)
     prompt = torch.cat([stored[:SHARED], torch.randint(3, 32000, (PROMPT - SHARED,), generator=generator)])
-    with tempfile.TemporaryDirectory() as root:
-        server, redis_url = redis_server(Path(root))
+    with tempfile.TemporaryDirectory() as root, local_redis(Path(root)) as redis_url:
         urls = {"memory": "memory://?max_bytes=4GiB", "file": f"file://{root}/kv"}
         if redis_url:
             urls["Valkey/Redis"] = redis_url
@@ -121,9 +100,6 @@ def main() -> None:
                   flush=True)
         for cache in caches.values():
             cache.close()
-        if server is not None:
-            server.kill()
-            server.wait()
     recompute = statistics.median(reuse["recompute"])
     print(f"\n{PROMPT}-token prompt, {SHARED} tokens stored; llama-like 8 layers x hidden 1024, float32, "
           f"{torch.get_num_threads()} threads; medians of {args.rounds} interleaved rounds\n")

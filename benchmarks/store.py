@@ -16,9 +16,7 @@ microsecond, are timed 64 at a time and divided).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 
 from kvgroups.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
+from local_redis import local_redis
 
 Action = Callable[[int], object]
 
@@ -110,29 +109,12 @@ def file_rows(directory: Path, size: int, iterations: int) -> list[str]:
 
 
 def redis_rows(directory: Path, size: int, iterations: int) -> list[str]:
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        return [f"| redis | {size // MIB} MiB | - | no valkey-server or redis-server installed | | | | |"]
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                               "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        store = open_store(f"redis://127.0.0.1:{port}/0")
+    with local_redis(directory) as url:
+        if url is None:
+            return [f"| redis | {size // MIB} MiB | - | no valkey-server or redis-server installed | | | | |"]
+        store = open_store(url)
         client = store._client  # type: ignore[attr-defined]  # the same client, without kvgroups around it
         return measure("redis", store.put, store.get, client.set, client.get, size, iterations, keys=16)  # type: ignore[arg-type]
-    finally:
-        server.kill()
-        server.wait()
 
 
 def main() -> None:
