@@ -74,7 +74,7 @@ def engine_run(model: str, store: str | None, rounds: int, out: str) -> None:
             results["answers"].append(answer)
     else:
         ttft(None)  # computes the prompt and saves its full chunks
-        from tests.vllm_connector.engine_runner import flush_saves
+        from kvgroups.integrations.vllm import flush_saves
 
         engine.collective_rpc(flush_saves)
         ttft(OFF)  # warm-up of the computed path
@@ -91,9 +91,8 @@ def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str
     command = [sys.executable, __file__, "--engine", "--model", model, "--rounds", str(rounds), "--out", str(out)]
     if store is not None:
         command += ["--store", store]
-    root = Path(__file__).resolve().parent.parent
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
-                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONPATH": str(root)}
+                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     subprocess.run(command, check=True, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result: dict[str, Any] = json.loads(out.read_text())
     return result

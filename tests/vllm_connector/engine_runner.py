@@ -37,18 +37,6 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
                max_num_seqs=4, max_num_batched_tokens=job.get("max_num_batched_tokens", 2048), seed=0, **extra)
 
 
-def flush_saves(worker: Any = None) -> int:
-    """In a worker: wait until the connector's queued saves are written (run through collective_rpc)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return 0
-    store = get_kv_transfer_group()._worker.store
-    if store is not None:
-        store.flush()
-    return 1
-
-
 def _stored_keys(directory: str) -> list[str]:
     from kvgroups.store import FileStore
 
@@ -73,7 +61,9 @@ def main() -> None:
         outputs = engine.generate(phase["requests"], params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         if job.get("connector") is not None:
-            engine.collective_rpc(flush_saves)
+            from kvgroups.integrations.vllm import flush_saves
+
+            assert all(engine.collective_rpc(flush_saves))
         results.append({
             "seconds": elapsed,
             "outputs": [{

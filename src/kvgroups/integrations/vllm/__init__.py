@@ -3,6 +3,6 @@
 Importing this package imports vLLM; nothing outside it does.
 """
 
-from kvgroups.integrations.vllm.connector import KVGroupsConnector
+from kvgroups.integrations.vllm.connector import KVGroupsConnector, flush_saves
 
-__all__ = ["KVGroupsConnector"]
+__all__ = ["KVGroupsConnector", "flush_saves"]

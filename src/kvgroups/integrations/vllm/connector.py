@@ -122,3 +122,22 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._scheduler, self._worker):
             if side is not None:
                 side.close()
+
+
+def flush_saves(worker: Any = None) -> bool:
+    """Wait until this worker's connector has written every queued save; ``llm.collective_rpc(flush_saves)``.
+
+    Saves leave the request's path through a background writer; an engine that hands the store to
+    another one at once (a test, a benchmark, a shutdown script) calls this first. True where this
+    process's connector is a ``KVGroupsConnector``. (vLLM sends a function to worker processes only
+    with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.)
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group  # noqa: PLC0415 - a worker's
+
+    if not has_kv_transfer_group():
+        return False
+    connector = get_kv_transfer_group()
+    if not isinstance(connector, KVGroupsConnector) or connector._worker is None:
+        return False
+    connector._worker.flush()
+    return True

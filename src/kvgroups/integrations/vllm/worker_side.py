@@ -194,6 +194,11 @@ class WorkerSide:
             raise KVGroupsError(f"a recurrent group's blocks are {block_ids.tolist()}; expected its one state block")
         return int(block_ids[0])
 
+    def flush(self) -> None:
+        """Wait until every queued save is written."""
+        if self.store is not None:
+            self.store.flush()
+
     def close(self) -> None:
         store, self.store = self.store, None
         if store is not None:
