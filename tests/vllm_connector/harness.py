@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
@@ -37,12 +38,13 @@ from kvgroups.integrations.vllm.worker_side import WorkerSide
 from kvgroups.layouts import KVLayout
 
 HEADS, HEAD_SIZE, DTYPE = 2, 32, torch.float32
+MLA_HEAD_SIZE = HEADS * 2 * HEAD_SIZE  # one latent row per token, as large as a token's K and V rows
 STATE_SHAPES = ((3, 16), (2, 8, 8))  # a conv and an SSM state, per sequence
 MAX_MODEL_LEN = 1024
 
 
 def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str = "none") -> list[KVCacheGroupSpec]:
-    """One vLLM group of two layers per kind ("sliding", "full", "mamba"), layer names interleaved."""
+    """One vLLM group of two layers per kind ("sliding", "full", "mla", "mamba"), layer names interleaved."""
     attention = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
     page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
     groups = []
@@ -52,6 +54,8 @@ def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str 
             spec: Any = SlidingWindowSpec(sliding_window=window, **attention)
         elif kind == "full":
             spec = FullAttentionSpec(**attention)
+        elif kind == "mla":
+            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_HEAD_SIZE, dtype=DTYPE)
         else:
             # Without vLLM's prefix caching ("none") a state block covers the whole sequence.
             spec = MambaSpec(block_size=MAX_MODEL_LEN if mamba_mode == "none" else block_size, shapes=STATE_SHAPES,
@@ -180,6 +184,8 @@ class FakeWorker:
                             if name in group.layer_names)
                 if isinstance(spec, MambaSpec):
                     caches[name] = raw.view(num_blocks, 1, 1, tensor.block_stride)
+                elif isinstance(spec, MLAAttentionSpec):  # one latent row per token, no head axis to order
+                    caches[name] = raw.view(DTYPE).view(num_blocks, 1, spec.block_size, MLA_HEAD_SIZE)
                 elif layout is KVLayout.VLLM:  # GPU backends: tokens outside heads in memory (LBNHC)
                     caches[name] = raw.view(DTYPE).view(num_blocks, spec.block_size, HEADS, 2 * HEAD_SIZE
                                                         ).permute(0, 2, 1, 3)

@@ -7,12 +7,18 @@ plays two engine lifetimes: one fills the store, a fresh scheduler and fresh cac
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.engine_groups import UnsupportedCacheError
+from kvgroups.integrations.vllm.settings import ConnectorConfigError, model_identity
+from kvgroups.integrations.vllm.worker_side import check_backends
 from kvgroups.layouts import KVLayout
 from kvgroups.store import FileStore
 from tests.servers import running_server
@@ -79,6 +85,7 @@ def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_p
     assert new.num_computed_tokens == 96  # never the last prompt token, in whole chunks
     (load,) = step.metadata.loads
     assert (load.num_tokens, load.local_tokens) == (96, 0)
+    assert not step.metadata.saves  # the loaded chunks are not written again; 96..100 fills none
     sliding_ids, full_ids = load.block_ids
     assert sliding_ids[:4] == (0, 0, 0, 0) and 0 not in full_ids  # out of the 32-token window: null blocks
     second.side.load(step.metadata)
@@ -99,6 +106,30 @@ def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_p
     num_blocks = second.kv_cache_config.num_blocks
     touched = {index % num_blocks for index in changed}
     assert touched <= {block for block in sliding_ids + full_ids if block}
+
+
+@pytest.mark.parametrize("layout", [KVLayout.VLLM_CPU, KVLayout.VLLM])
+def test_mla_latents_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path, layout: KVLayout,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: layout)
+    tokens = prompt(150)
+    extra = file_store(tmp_path)
+    first, steps = fill(gemma3_dir, extra, ["mla"], tokens, layout=layout)
+    (save,) = steps[0].metadata.saves
+    assert save.chunks == (0, 1, 2, 3)
+    (group,) = first.deployment.groups
+    assert (group.layout, group.layer_indices, group.hidden_dim_size) == (KVLayout.MLA, [0, 1], 128)
+    assert first.deployment.metadata(0, first.deployment.groups, "worker").use_mla
+    harness, second = fresh(gemma3_dir, extra, ["mla"], layout=layout)
+    harness.add("reuse", tokens)
+    step = harness.step()
+    (load,) = step.metadata.loads
+    assert (load.num_tokens, load.local_tokens) == (128, 0)
+    second.side.load(step.metadata)
+    assert not second.side.take_load_errors()
+    (got,), (want,) = token_rows(second, load.block_ids, range(128)), token_rows(first, save.block_ids, range(128))
+    assert got.shape == (1, 2, 128, 128)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_a_corrupt_entry_shortens_the_hit_to_what_every_group_can_serve(gemma3_dir: Path, tmp_path: Path) -> None:
@@ -226,9 +257,6 @@ def test_mamba_states_need_a_step_to_end_on_the_boundary(gemma3_dir: Path, tmp_p
 
 
 def test_bad_settings_are_named(gemma3_dir: Path, tmp_path: Path) -> None:
-    from kvgroups.integrations.vllm.deployment import Deployment
-    from kvgroups.integrations.vllm.settings import ConnectorConfigError
-
     kv = cache_config(["sliding", "full"])
     with pytest.raises(ConnectorConfigError, match=r"chunk_size 40 must be a multiple .*group 0: 16, group 1: 16"):
         Deployment(vllm_config(gemma3_dir, {"store": f"file://{tmp_path}", "chunk_size": 40}), kv)
@@ -253,10 +281,6 @@ def test_a_request_can_opt_out_of_loading_or_saving(gemma3_dir: Path, tmp_path: 
 
 
 def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path, tmp_path: Path) -> None:
-    import shutil
-
-    from kvgroups.integrations.vllm.settings import model_identity
-
     # Another node's copy: another parent directory, fresh modification times, the same bytes.
     copy = Path(shutil.copytree(gemma3_dir, tmp_path / "node-2" / gemma3_dir.name, copy_function=shutil.copyfile))
     extra = file_store(tmp_path)
@@ -271,3 +295,27 @@ def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path,
     data[header:] = bytes(255 - byte for byte in data[header:])
     weights.write_bytes(bytes(data))
     assert model_identity(vllm_config(copy, extra)) != original
+
+
+def test_backends_whose_pages_are_not_checked_are_refused(gemma3_dir: Path, tmp_path: Path) -> None:
+    def layers(names: list[str], backend: str, isa: str | None = None) -> dict[str, Any]:
+        found = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend), isa=isa)
+        return dict.fromkeys(names, found)
+
+    config = vllm_config(gemma3_dir, file_store(tmp_path))
+    for layout in (KVLayout.VLLM_CPU, KVLayout.VLLM):
+        full = Deployment(config, cache_config(["full"]), layout=layout)
+        mla = Deployment(config, cache_config(["mla"]), layout=layout)
+        names = list(full.plan.layers)
+        check_backends(full, layers(names, "CPU_ATTN", "vec") if layout is KVLayout.VLLM_CPU
+                       else layers(names, "FLASH_ATTN"))
+        check_backends(mla, layers(names, "FLASHMLA"))
+        # vLLM's CPU MLA prefill cannot continue from cached context (vLLM turns prefix caching off).
+        with pytest.raises(UnsupportedCacheError, match=r"model.layers.0.attn: MLA backend CPU_MLA \(known: "):
+            check_backends(mla, layers(names, "CPU_MLA"))
+    cpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM_CPU)
+    with pytest.raises(UnsupportedCacheError, match=r"backend CPU_ATTN, kernels 'amx' \(checked: CPU_ATTN with vec\)"):
+        check_backends(cpu, layers(list(cpu.plan.layers), "CPU_ATTN", "amx"))
+    gpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM)
+    with pytest.raises(UnsupportedCacheError, match=r"backend ROCM_AITER_FA \(known: FLASHINFER, FLASH_ATTN"):
+        check_backends(gpu, layers(list(gpu.plan.layers), "ROCM_AITER_FA"))

@@ -162,15 +162,18 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
     if not isinstance(spec, AttentionSpec):
         raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
     problems = []
-    if spec.head_size_v != spec.head_size:
-        problems.append(f"values of {spec.head_size_v} elements per head differ from keys of {spec.head_size}")
+    # An MLA page holds one latent row per token (vLLM says: values of 0 elements); others K then V.
+    is_mla = isinstance(spec, MLAAttentionSpec)
+    if spec.head_size_v != (0 if is_mla else spec.head_size):
+        problems.append(f"values of {spec.head_size_v} elements per head differ from keys of {spec.head_size}"
+                        if not is_mla else f"an MLA spec with values of {spec.head_size_v} elements")
     if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
         problems.append(f"KV quantization {spec.kv_quant_mode.name} keeps scales outside the page")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
         problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state)")
     if problems:
         raise UnsupportedCacheError(f"layer {name!r} ({type(spec).__name__}): " + "; ".join(problems))
-    if isinstance(spec, MLAAttentionSpec):
+    if is_mla:
         if type(spec) is not MLAAttentionSpec:
             raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
         return LayerPlan(name, MLAttention(), KVLayout.MLA, spec.dtype, head_size=spec.head_size)
