@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 
 from kvgroups import KVLayerGroupInfo, KVLayerGroupsManager
 from kvgroups.manager import KVLayerGroupsManager as ManagerClass
+from kvgroups.manager import _Index
 from tests.helpers import meta
 
 
@@ -146,3 +149,39 @@ def test_copies_track_their_own_edits(duplicate: Callable[[KVLayerGroupsManager]
     original.kv_layer_groups[1].layer_indices.append(70)
     assert original.get_group_by_layer_idx(70) is original.kv_layer_groups[1]
     assert twin.get_group_by_layer_idx(70) is None
+
+
+def test_a_lookup_racing_a_refill_never_answers_none_for_a_grouped_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread "first" refills slowly; "late" finds the index stale meanwhile and would refill
+    again, emptying it after "first" marked it fresh; "reader" looks up inside that window."""
+    manager = built(count=64)
+    lookup = manager.get_group_by_layer_idx  # held across the edit, as hot loops hold it
+    assert all(lookup(index) is not None for index in range(64))
+    manager.kv_layer_groups[0].layer_indices.append(64)  # empties the index
+    held_by, clear = KVLayerGroupInfo._held_by, _Index.clear
+
+    def slow_held_by(self: KVLayerGroupInfo, owner: Any) -> None:
+        if threading.current_thread().name != "reader":
+            time.sleep(0.002)
+        held_by(self, owner)
+
+    def slow_clear(self: _Index) -> None:
+        if threading.current_thread().name == "late":
+            time.sleep(0.005)
+        clear(self)
+
+    monkeypatch.setattr(KVLayerGroupInfo, "_held_by", slow_held_by)
+    monkeypatch.setattr(_Index, "clear", slow_clear)
+    found: dict[str, list[bool]] = {}
+
+    def look_up_every_layer(delay: float) -> None:
+        time.sleep(delay)
+        found[threading.current_thread().name] = [lookup(index) is not None for index in range(65)]
+
+    threads = [threading.Thread(target=look_up_every_layer, args=(delay,), name=name)
+               for name, delay in (("first", 0.0), ("late", 0.001), ("reader", 0.007))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert found == {"first": [True] * 65, "late": [True] * 65, "reader": [True] * 65}
