@@ -76,12 +76,12 @@ def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, nu
 
 
 def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
-                role: str = "kv_both", mamba_mode: str | None = None) -> VllmConfig:
+                role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_MODEL_LEN,
                                 enable_chunked_prefill=True, is_encoder_decoder=False,
                                 disable_hybrid_kv_cache_manager=None)
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     cache.kv_cache_layout = "LBHNC"  # resolved by the engine core before connectors exist
     if mamba_mode is not None:
         cache.mamba_cache_mode = mamba_mode

@@ -132,6 +132,36 @@ def test_mla_latents_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_with_vllms_prefix_cache_the_store_serves_what_follows_the_local_hit(gemma3_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    tokens = prompt(150)
+    extra = file_store(tmp_path)
+    first, steps = fill(gemma3_dir, extra, ["full"], tokens)
+    (save,) = steps[0].metadata.saves
+    assert save.chunks == (0, 1, 2, 3)
+    kv = cache_config(["full"])
+    config = vllm_config(gemma3_dir, extra, prefix_caching=True)
+    harness, second = SchedulerHarness(config, kv), FakeWorker(config, kv, seed=1)
+    # A request that leaves its first 64 tokens in vLLM's own prefix cache, the store kept out of it.
+    harness.add("warm", tokens[:70], kv_transfer_params={"kvgroups": {"load": False, "save": False}})
+    (warm_step, *_) = harness.run(second)
+    (warm,) = warm_step.output.scheduled_new_reqs
+    local = token_rows(second, (tuple(warm.block_ids[0]),), range(64))
+    harness.add("reuse", tokens)
+    step = harness.step()
+    (new,) = step.output.scheduled_new_reqs
+    assert new.num_computed_tokens == 128  # 64 from vLLM's cache, 64 from the store
+    (load,) = step.metadata.loads
+    assert (load.num_tokens, load.local_tokens) == (128, 64)
+    second.side.load(step.metadata)
+    assert not second.side.take_load_errors()
+    (got,), (want,) = token_rows(second, load.block_ids, range(128)), token_rows(first, save.block_ids, range(128))
+    assert torch.equal(got[:, :, 64:].view(torch.uint8), want[:, :, 64:].view(torch.uint8))
+    # The locally cached tokens are vLLM's, left as they were (here they differ from the store's).
+    assert torch.equal(got[:, :, :64].view(torch.uint8), local[0].view(torch.uint8))
+    assert not torch.equal(got[:, :, :64], want[:, :, :64])
+
+
 def test_a_corrupt_entry_shortens_the_hit_to_what_every_group_can_serve(gemma3_dir: Path, tmp_path: Path) -> None:
     tokens = prompt(100)
     extra = file_store(tmp_path)
