@@ -43,8 +43,8 @@ class KVLayerGroupInfo:
     # Bumped by every edit; the membership sets remember the version they were built from.
     _version: int = field(default=0, compare=False)
     _sets: tuple[int, set[int], set[str]] = field(default=(-1, set(), set()), compare=False)
-    # The managers whose lookup index holds this group: an edit marks exactly those stale.
-    _managers: weakref.WeakValueDictionary[int, Owner] | None = field(default=None, compare=False)
+    # The managers whose lookup index holds this group (weakly): an edit re-indexes exactly those.
+    _managers: tuple[weakref.ref[Owner], ...] = field(default=(), compare=False)
     _geometry_cache: tuple[torch.Size, KVLayout, CacheGeometry] | None = field(default=None, compare=False)
 
     def __init__(
@@ -108,7 +108,7 @@ class KVLayerGroupInfo:
     ) -> None:
         # object.__setattr__, not self.__dict__: touching __dict__ would slow every later attribute read.
         initial: dict[str, Any] = {
-            "_managers": None, "_geometry_cache": None, "_version": 0, "_sets": (-1, set(), set()),
+            "_managers": (), "_geometry_cache": None, "_version": 0, "_sets": (-1, set(), set()),
             "layer_names": TrackedList(names, self), "layer_indices": TrackedList(indices, self),
             "shape": shape, "dtype": dtype, "layout": layout, "spec": spec,
         }
@@ -133,18 +133,22 @@ class KVLayerGroupInfo:
 
     def _changed(self) -> None:
         self._version += 1
-        if self._managers:
-            for manager in self._managers.values():
+        for reference in self._managers:
+            manager = reference()
+            if manager is not None:
                 manager._changed()
 
     def _held_by(self, manager: Owner) -> None:
-        if self._managers is None:
-            self._managers = weakref.WeakValueDictionary()
-        self._managers[id(manager)] = manager
+        if any(reference() is manager for reference in self._managers):
+            return
+        # Plain weak references (a manager is asked for on every edit, rarely added): cheaper to
+        # make than a WeakValueDictionary, which building a manager's groups would pay per group.
+        live = tuple(reference for reference in self._managers if reference() is not None)
+        object.__setattr__(self, "_managers", (*live, weakref.ref(manager)))
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy is held by no manager yet (managers reindex their copies and register then).
-        return {**{item.name: getattr(self, item.name) for item in fields(self)}, "_managers": None}
+        return {**{item.name: getattr(self, item.name) for item in fields(self)}, "_managers": ()}
 
     def __repr__(self) -> str:
         indices = compact_ranges(self.layer_indices)

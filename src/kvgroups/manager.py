@@ -1,15 +1,14 @@
 """``KVLayerGroupsManager``: the groups of one model's layers, built from live caches, with O(1) lookups.
 
-A lookup is one dict hit in C (see :class:`_Index`). The manager counts edits of its own list
-and of the groups it indexes (each group tells the managers holding it) and empties its indexes
-on each, so an edit to one manager's groups never costs another manager a reindex.
+A lookup is one dict lookup in C, no Python frame. The manager's indexes are brought up to date
+by every edit of its own list and of the groups it indexes (each group tells the managers
+holding it), so an edit to one manager's groups never costs another manager a reindex.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -27,28 +26,13 @@ logger = logging.getLogger(__name__)
 MANAGER_FORMAT = "kvgroups.manager/1"
 
 
-class _Index(dict[Any, KVLayerGroupInfo]):
-    """Layer index or name -> group; emptied by every edit, refilled by the first lookup that misses.
-
-    A hit is one C-level dict lookup (the manager's lookup methods are this dict's
-    ``__getitem__``); only a miss runs Python, to tell a stale index from a layer in no group.
-    The index is refilled in place (a caller may hold the bound lookup), under the manager's
-    lock, and a miss reads again after the lock: a lookup racing a refill waits for it rather
-    than answer None for a layer that has a group.
-    """
-
-    __slots__ = ("manager",)
-
-    def __init__(self, manager: KVLayerGroupsManager) -> None:
-        super().__init__()
-        self.manager = manager
-
-    def __missing__(self, key: Any) -> KVLayerGroupInfo | None:
-        manager = self.manager
-        with manager.__dict__["_index_lock"]:
-            if manager._indexed_version != manager._version:
-                manager._reindex()
-        return self.get(key)
+def _swap_in(index: dict[Any, KVLayerGroupInfo], fresh: dict[Any, KVLayerGroupInfo]) -> None:
+    """Make ``index`` equal ``fresh`` in place, key by key: a concurrent reader sees each layer's
+    old or new group, never a missing entry for a layer that has a group before and after."""
+    index.update(fresh)
+    if len(index) != len(fresh):  # equal sizes after the update mean equal key sets
+        for key in [key for key in index if key not in fresh]:
+            del index[key]
 
 
 @dataclass
@@ -60,10 +44,6 @@ class KVLayerGroupsManager:
     """
 
     kv_layer_groups: list[KVLayerGroupInfo] = field(default_factory=list)
-    # Bumped by every edit of the list or of a group in it, which also empties the indexes; the
-    # indexes remember the version they were built from.
-    _version: int = field(default=0, init=False, repr=False, compare=False)
-    _indexed_version: int = field(default=-1, init=False, repr=False, compare=False)
     # Invariants an owner (LMCacheMetadata) holds the groups to, checked whenever they are replaced.
     _checks: list[Callable[[Sequence[KVLayerGroupInfo]], None]] = field(
         default_factory=list, init=False, repr=False, compare=False
@@ -73,13 +53,16 @@ class KVLayerGroupsManager:
         self._bind_indexes()
 
     def _bind_indexes(self) -> None:
-        by_index, by_name = _Index(self), _Index(self)
-        object.__setattr__(self, "_index_lock", threading.Lock())
+        by_index: dict[int, KVLayerGroupInfo] = {}
+        by_name: dict[str, KVLayerGroupInfo] = {}
         object.__setattr__(self, "_by_index", by_index)
         object.__setattr__(self, "_by_name", by_name)
-        # Lookups are the indexes' own __getitem__: no Python frame on a hit (see _Index).
-        object.__setattr__(self, "get_group_by_layer_idx", by_index.__getitem__)
-        object.__setattr__(self, "get_group_by_layer_name", by_name.__getitem__)
+        # The lookups are the index dicts' own get: a hit or a miss runs no Python frame. The
+        # indexes are therefore kept current on every edit, and updated in place, since a caller
+        # may hold the bound lookup.
+        object.__setattr__(self, "get_group_by_layer_idx", by_index.get)
+        object.__setattr__(self, "get_group_by_layer_name", by_name.get)
+        self._reindex()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "kv_layer_groups":
@@ -94,10 +77,9 @@ class KVLayerGroupsManager:
         object.__setattr__(self, name, value)
 
     def _changed(self) -> None:
-        object.__setattr__(self, "_version", getattr(self, "_version", 0) + 1)
-        for index in (getattr(self, "_by_index", None), getattr(self, "_by_name", None)):
-            if index:
-                index.clear()
+        """Told by the tracked list and by every group it holds after each edit."""
+        if "_by_index" in self.__dict__:  # not before __post_init__ has bound the indexes
+            self._reindex()
 
     def add_check(self, check: Callable[[Sequence[KVLayerGroupInfo]], None]) -> None:
         """Run ``check`` on the current groups now and on every list of groups that replaces them."""
@@ -105,8 +87,8 @@ class KVLayerGroupsManager:
         self._checks.append(check)
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy's groups are copies that know no manager: its first lookup reindexes and registers.
-        return {**{item.name: getattr(self, item.name) for item in fields(self)}, "_indexed_version": -1}
+        # A copy's groups are copies that know no manager; unpickling indexes them afresh.
+        return {item.name: getattr(self, item.name) for item in fields(self)}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         for name, value in state.items():
@@ -118,31 +100,24 @@ class KVLayerGroupsManager:
         return len(self.kv_layer_groups)
 
     def _reindex(self) -> None:
-        version = self._version  # read before rebuilding: an edit meanwhile leaves the index stale
-        by_index: _Index = self.__dict__["_by_index"]
-        by_name: _Index = self.__dict__["_by_name"]
-        by_index.clear()
-        by_name.clear()
-        # First group wins where a caller's edits left a layer in two, as a linear scan would.
-        for group in self.kv_layer_groups:
+        by_index: dict[int, KVLayerGroupInfo] = {}
+        by_name: dict[str, KVLayerGroupInfo] = {}
+        # First group wins where a caller's edits left a layer in two, as a linear scan would:
+        # later groups go in first and are overwritten (fromkeys/update keep the loop in C).
+        for group in reversed(self.kv_layer_groups):
             group._held_by(self)
-            for index in group.layer_indices:
-                by_index.setdefault(index, group)
-            for name in group.layer_names:
-                by_name.setdefault(name, group)
-        if self._version != version:
-            by_index.clear()
-            by_name.clear()
-            return
-        self._indexed_version = version
+            by_index.update(dict.fromkeys(group.layer_indices, group))
+            by_name.update(dict.fromkeys(group.layer_names, group))
+        _swap_in(self.__dict__["_by_index"], by_index)
+        _swap_in(self.__dict__["_by_name"], by_name)
 
     def get_group_by_layer_idx(self, layer_idx: int) -> KVLayerGroupInfo | None:
-        """The group holding layer ``layer_idx``, or None (an instance's own index answers; see _Index)."""
-        return self.__dict__["_by_index"][layer_idx]  # type: ignore[no-any-return]
+        """The group holding layer ``layer_idx``, or None (answered by the instance's index; see _bind_indexes)."""
+        return self.__dict__["_by_index"].get(layer_idx)  # type: ignore[no-any-return]
 
     def get_group_by_layer_name(self, layer_name: str) -> KVLayerGroupInfo | None:
         """The group holding layer ``layer_name``, or None."""
-        return self.__dict__["_by_name"][layer_name]  # type: ignore[no-any-return]
+        return self.__dict__["_by_name"].get(layer_name)  # type: ignore[no-any-return]
 
     def get_layer_shape(self, layer_idx: int) -> torch.Size | None:
         group = self.get_group_by_layer_idx(layer_idx)
