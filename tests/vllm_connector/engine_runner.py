@@ -4,7 +4,10 @@
 "dtype": ..., "connector": extra_config or null, "phases": [{"requests": [{"prompt_token_ids":
 [...], "cache_salt": ...}], "before": {"stop_pid": pid} (optional)}], "out": path, "store_dir":
 dir (optional)}``. Greedy, with logprobs, vLLM's prefix cache off. With ``store_dir`` (a file
-store), each phase's result lists the keys the store holds after it, its saves written.
+store), each phase's result lists the keys the store holds after it, its saves written. Optional:
+``"mamba_ssm_cache_dtype"``, and ``"cpu_attention_kernels": "vec"``, which keeps vLLM's CPU
+attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a bfloat16
+job runs the same kernels on every x86 CPU.
 
 One engine per process, as deployments run them: vLLM 0.32 cannot build a second engine in a
 process that has loaded llvmlite (numba's compiler, which the connector's CPU kernel uses): its
@@ -34,7 +37,8 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
         )
     return LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),
                enforce_eager=True, enable_prefix_caching=False, max_model_len=job.get("max_model_len", 2048),
-               max_num_seqs=4, max_num_batched_tokens=job.get("max_num_batched_tokens", 2048), seed=0, **extra)
+               max_num_seqs=4, max_num_batched_tokens=job.get("max_num_batched_tokens", 2048), seed=0,
+               mamba_ssm_cache_dtype=job.get("mamba_ssm_cache_dtype", "auto"), **extra)
 
 
 def _stored_keys(directory: str) -> list[str]:
@@ -47,6 +51,11 @@ def _stored_keys(directory: str) -> list[str]:
 
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
+    if job.get("cpu_attention_kernels") == "vec":
+        import torch
+
+        # vLLM picks its amx kernels, whose pages the connector refuses, when this says yes.
+        torch.cpu._is_amx_tile_supported = lambda: False
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=2, ignore_eos=True)

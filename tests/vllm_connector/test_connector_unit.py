@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from kvgroups import KVLayerGroupsManager
+from kvgroups.datapath.transfer import pack
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import UnsupportedCacheError
 from kvgroups.integrations.vllm.settings import ConnectorConfigError, model_identity
@@ -344,8 +346,44 @@ def test_backends_whose_pages_are_not_checked_are_refused(gemma3_dir: Path, tmp_
         with pytest.raises(UnsupportedCacheError, match=r"model.layers.0.attn: MLA backend CPU_MLA \(known: "):
             check_backends(mla, layers(names, "CPU_MLA"))
     cpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM_CPU)
-    with pytest.raises(UnsupportedCacheError, match=r"backend CPU_ATTN, kernels 'amx' \(checked: CPU_ATTN with vec\)"):
+    refused = r"backend CPU_ATTN, kernels 'amx' \(checked: CPU_ATTN with vec, vec16\)"
+    with pytest.raises(UnsupportedCacheError, match=refused):
         check_backends(cpu, layers(list(cpu.plan.layers), "CPU_ATTN", "amx"))
     gpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM)
     with pytest.raises(UnsupportedCacheError, match=r"backend ROCM_AITER_FA \(known: FLASHINFER, FLASH_ATTN"):
         check_backends(gpu, layers(list(gpu.plan.layers), "ROCM_AITER_FA"))
+
+
+
+def written_by_vllm(isa: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values, slots and the page tensor vLLM's CPU cache-writing op makes of them with ``isa``."""
+    from vllm import _custom_ops as ops
+
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, num_heads, block_size, num_tokens = 4, 2, 32, 70
+    key = torch.randn(num_tokens, num_heads, head_size, generator=generator).to(torch.bfloat16)
+    value = torch.randn(num_tokens, num_heads, head_size, generator=generator).to(torch.bfloat16)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    # [num_blocks, num_heads, block_size, 2 * head_size], as vLLM's CPU backend allocates it
+    cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_size, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(num_blocks, num_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return key, value, slot_mapping, cache
+
+
+@pytest.mark.parametrize("head_size", [128, 80])
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_the_pages_vllms_accepted_cpu_kernels_write_are_read_back_as_written(isa: str, head_size: int) -> None:
+    key, value, slot_mapping, cache = written_by_vllm(isa, head_size)
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups({"layer": cache}, layout=KVLayout.VLLM_CPU)
+    (chunk,) = pack(manager, {"layer": cache}, slot_mapping)
+    assert chunk.shape == (2, 1, len(slot_mapping), 2 * head_size)
+    assert torch.equal(chunk[0, 0], key.flatten(1)) and torch.equal(chunk[1, 0], value.flatten(1))
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM's amx kernels need a CPU with AMX")
+def test_the_amx_kernels_pack_pages_unlike_the_vec_ones_the_connector_reads() -> None:
+    """Why 'amx' is refused: the same keys and values through vLLM's cache-writing op land elsewhere."""
+    assert not torch.equal(written_by_vllm("amx", 128)[3], written_by_vllm("vec", 128)[3])

@@ -145,21 +145,26 @@ def test_gemma3_sliding_and_full_groups_reuse_redis_in_multiprocess_engines(tmp_
 def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path) -> None:
     """A hybrid: linear-attention (gated DeltaNet) layers keep a state, full-attention layers K/V.
 
-    vLLM sets this model's attention block size to 160 (its pages must hold a state), so chunks
-    are 160 tokens; prefill steps of one chunk end on chunk boundaries, where states are saved.
+    vLLM runs this model in bfloat16 only, and sizes its attention blocks so that a page holds a
+    state. Pinned so that every x86 CPU runs the same engine: SSM states in float32 (on auto vLLM
+    keeps them in bfloat16 or resets them to float32, depending on the CPU's AVX512-BF16), and
+    attention on vLLM's vec kernels (on CPUs with AMX it would pick its amx kernels, whose pages
+    the connector refuses, tested in the unit tests). Blocks, and chunks, are then 288 tokens;
+    prefill steps of one chunk end on chunk boundaries, where states are saved.
     """
     model = str(save_model("qwen3_next", tmp_path / "qwen3_next"))
     store_dir = tmp_path / "kv"
-    job = {"model": model, "dtype": "bfloat16", "max_num_batched_tokens": 160, "store_dir": str(store_dir),
-           "connector": {"store": f"file://{store_dir}", "chunk_size": 160}}
-    x = prompt(5, length=400)  # a hit covers 320 tokens: two chunks
+    job = {"model": model, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32", "cpu_attention_kernels": "vec",
+           "max_num_batched_tokens": 288, "store_dir": str(store_dir),
+           "connector": {"store": f"file://{store_dir}", "chunk_size": 288}}
+    x = prompt(5, length=700)  # a hit covers 576 tokens: two chunks
     phases = [{"requests": requests(x)}]
     baseline = run_engines({**job, "connector": None, "phases": phases}, tmp_path, "baseline", multiprocess=False)
     first = run_engines({**job, "phases": phases}, tmp_path, "first", multiprocess=False)
     assert cached(first[0]) == [0] and outputs(first[0]) == outputs(baseline[0])
     assert len(first[0]["store_keys"]) == 4  # 2 chunks x (state group, attention group)
     second = run_engines({**job, "phases": phases}, tmp_path, "second", multiprocess=False)
-    assert cached(second[0]) == [320] and outputs(second[0]) == outputs(baseline[0])
+    assert cached(second[0]) == [576] and outputs(second[0]) == outputs(baseline[0])
     # Noise in the states alone changes the output: the restored state is what the layers continue from.
     store = FileStore(store_dir)
     states = [key for key in first[0]["store_keys"]
@@ -168,4 +173,4 @@ def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path
     for key in states:
         add_noise(store_dir, key)
     third = run_engines({**job, "phases": phases}, tmp_path, "third", multiprocess=False)
-    assert cached(third[0]) == [320] and outputs(third[0]) != outputs(baseline[0])
+    assert cached(third[0]) == [576] and outputs(third[0]) != outputs(baseline[0])

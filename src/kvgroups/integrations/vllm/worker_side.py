@@ -25,6 +25,7 @@ from kvgroups.integrations.vllm.deployment import Deployment, tokens_of
 from kvgroups.integrations.vllm.engine_groups import EngineGroup, UnsupportedCacheError
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
 from kvgroups.layouts import KVLayout
+from kvgroups.sizes import ceil_div
 from kvgroups.store.chunk_store import KVChunkStore
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,11 @@ logger = logging.getLogger(__name__)
 # (layout VLLM), read from their sources; MLA backends keep one latent row per token.
 GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
 MLA_BACKENDS = frozenset({"FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
-# The CPU backend's kernel families whose page layout (layout VLLM_CPU) was checked against
-# transformers' keys and values; others (amx, neon, ...) pack pages their own way.
-CPU_ISAS = frozenset({"vec"})
+# The CPU backend's kernel families whose page layout (layout VLLM_CPU) was checked, by reading
+# back what vLLM's cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a
+# multiple of 16 but not 32); others pack pages their own way (amx, checked) or are unchecked
+# (neon, vsx, vxe, rvv).
+CPU_ISAS = frozenset({"vec", "vec16"})
 
 
 def check_backends(deployment: Deployment, forward_context: Mapping[str, Any]) -> None:
@@ -142,7 +145,7 @@ class WorkerSide:
             ids = plan.block_ids[engine_group.index]
             if engine_group.token_indexed:
                 first = plan.local_tokens // engine_group.block_size
-                last = -(-plan.num_tokens // engine_group.block_size)
+                last = ceil_div(plan.num_tokens, engine_group.block_size)
                 blocks.update(ids[first:last])
             else:
                 blocks.update(ids[:1])
