@@ -21,3 +21,7 @@ class ChunkMismatchError(KVGroupsError):
 
 class ModelConfigError(KVGroupsError):
     """A model config.json cannot be turned into per-layer cache specs."""
+
+
+class UnsupportedCacheError(KVGroupsError):
+    """An engine's cache (transformers', vLLM's) holds something kvgroups cannot store and restore exactly."""

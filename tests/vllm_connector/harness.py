@@ -155,8 +155,8 @@ class SchedulerHarness:
                 worker.side.load(step.metadata)
                 worker.side.save(step.metadata)
             steps.append(step)
-        if worker is not None and worker.side.store is not None:
-            worker.side.store.flush()
+        if worker is not None:
+            worker.side.flush()
         return steps
 
 

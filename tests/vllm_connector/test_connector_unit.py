@@ -17,14 +17,16 @@ import torch
 
 from kvgroups import KVLayerGroupsManager
 from kvgroups.datapath.transfer import pack
+from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment
-from kvgroups.integrations.vllm.engine_groups import UnsupportedCacheError
 from kvgroups.integrations.vllm.settings import ConnectorConfigError, model_identity
 from kvgroups.integrations.vllm.worker_side import check_backends
 from kvgroups.layouts import KVLayout
 from kvgroups.store import FileStore
 from tests.servers import running_server
 from tests.vllm_connector.harness import (
+    DTYPE,
+    STATE_SHAPES,
     FakeWorker,
     SchedulerHarness,
     Step,
@@ -69,11 +71,16 @@ def token_rows(worker: FakeWorker, block_ids: tuple[tuple[int, ...], ...], posit
     return rows
 
 
-@pytest.mark.parametrize("layout", [KVLayout.VLLM_CPU, KVLayout.VLLM])
-def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_path: Path, layout: KVLayout,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The layout enters the fingerprint: the scheduler side must read the GPU layout here too.
-    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: layout)
+@pytest.fixture(params=[KVLayout.VLLM_CPU, KVLayout.VLLM], ids=lambda layout: layout.value)
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> KVLayout:
+    """Both vLLM layouts; the scheduler side (whose Deployment vLLM builds) reads the same one,
+    since the layout enters the fingerprint."""
+    chosen: KVLayout = request.param
+    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: chosen)
+    return chosen
+
+
+def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_path: Path, layout: KVLayout) -> None:
     tokens = prompt(100)
     extra = file_store(tmp_path)
     first, steps = fill(gemma3_dir, extra, ["sliding", "full"], tokens, layout=layout)
@@ -110,10 +117,7 @@ def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_p
     assert touched <= {block for block in sliding_ids + full_ids if block}
 
 
-@pytest.mark.parametrize("layout", [KVLayout.VLLM_CPU, KVLayout.VLLM])
-def test_mla_latents_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path, layout: KVLayout,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: layout)
+def test_mla_latents_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path, layout: KVLayout) -> None:
     tokens = prompt(150)
     extra = file_store(tmp_path)
     first, steps = fill(gemma3_dir, extra, ["mla"], tokens, layout=layout)
@@ -264,8 +268,7 @@ def test_mamba_states_are_saved_at_step_ends_on_chunk_boundaries_and_restored(ge
         for save in step.metadata.saves:
             write_states(first, save.block_ids, save.step_end % 128)  # the state after this step
         first.side.save(step.metadata)
-    assert first.side.store is not None
-    first.side.store.flush()
+    first.side.flush()
     harness, second = fresh(gemma3_dir, extra, ["mamba", "full"])
     harness.add("reuse", tokens)
     step = harness.step()
@@ -273,9 +276,9 @@ def test_mamba_states_are_saved_at_step_ends_on_chunk_boundaries_and_restored(ge
     second.side.load(step.metadata)
     (load,) = step.metadata.loads
     state_block = load.block_ids[0][0]
+    content = sum(torch.Size(shape).numel() for shape in STATE_SHAPES) * DTYPE.itemsize
     for name in second.side.engine_groups[0].layer_names:
         page = second.caches[name][state_block].flatten()
-        content = sum(torch.Size(shape).numel() for shape in ((3, 16), (2, 8, 8))) * 4
         assert (page[:content] == 96).all()  # the state at 96 tokens, not at 64 or 100
 
 

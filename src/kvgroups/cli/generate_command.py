@@ -9,6 +9,7 @@ when this command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -18,10 +19,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvgroups.cli.arguments import positive_int
 from kvgroups.errors import KVGroupsError
 
 
-def add_generate_command(commands: Any, positive_int: Any) -> None:
+def add_generate_command(commands: Any) -> None:
     generate = commands.add_parser(
         "generate", help="generate from a local transformers model, reusing stored prefixes",
         description="Greedy generation with prefix reuse: the longest stored prefix of the prompt is loaded "
@@ -83,7 +85,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     if not (directory / "config.json").is_file():
         raise KVGroupsError(f"{args.model}: not a model directory (no config.json)")
     given_ids = _prompt_ids(args, None) if args.prompt_ids is not None else None
-    with open_store(args.store[0] if len(args.store) == 1 else args.store) as store:
+    with open_store(args.store) as store:
         return _generate(args, directory, given_ids, store)
 
 
@@ -99,10 +101,10 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
     except (OSError, ValueError) as error:
         raise KVGroupsError(f"{args.model}: cannot load the model: {error}") from None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError):
-        tokenizer = None
+    tokenizer = None  # token ids in, token ids out: no tokenizer is read
+    if given_ids is None:
+        with contextlib.suppress(OSError, ValueError):  # no tokenizer: ids are printed instead
+            tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     ids = torch.tensor(given_ids if given_ids is not None else _prompt_ids(args, tokenizer), dtype=torch.int64)
     errors = Console(stderr=True)
     with PrefixCache(model, store, chunk_size=args.chunk_size, salt=args.salt) as cache, \

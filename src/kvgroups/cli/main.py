@@ -16,7 +16,6 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from kvgroups.cli.arguments import positive_int
 from kvgroups.cli.generate_command import add_generate_command
 from kvgroups.cli.inspect_command import add_inspect_commands
 from kvgroups.cli.store_command import add_store_commands
@@ -38,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_inspect_commands(commands)
     add_store_commands(commands, _Parser)
-    add_generate_command(commands, positive_int)
+    add_generate_command(commands)
     return parser
 
 

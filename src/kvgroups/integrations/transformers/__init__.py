@@ -5,7 +5,7 @@ cache is read as kvgroups layer caches by :mod:`.cache_parts`, and which model t
 to reuse is :mod:`.support`'s call. Importing this package imports transformers.
 """
 
-from kvgroups.integrations.transformers.cache_parts import UnsupportedCacheError
+from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.transformers.prefix_cache import PrefillResult, PrefixCache
 from kvgroups.integrations.transformers.support import (
     REFUSED_MODEL_TYPES,

@@ -31,13 +31,9 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from kvgroups.errors import KVGroupsError
+from kvgroups.errors import UnsupportedCacheError
 from kvgroups.kinds import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
 from kvgroups.layouts import KVLayout
-
-
-class UnsupportedCacheError(KVGroupsError):
-    """A model's cache holds something kvgroups cannot store and restore exactly."""
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from transformers import DynamicCache
 
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.transfer import KVTransfer
-from kvgroups.errors import KVGroupsError
+from kvgroups.errors import KVGroupsError, UnsupportedCacheError
+from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.integrations.transformers.cache_parts import (
     Part,
-    UnsupportedCacheError,
     current_value,
     describe,
     empty_value,
@@ -51,6 +51,10 @@ class PrefillResult:
     reused_tokens: int
     computed_tokens: int
     seconds: float
+
+
+# A forward's cache bound for packing: per group, its transfer and the first token it holds.
+_Bound = list[tuple[KVLayerGroupInfo, KVTransfer, int]]
 
 
 def _prompt(input_ids: Any) -> torch.Tensor:
@@ -122,21 +126,29 @@ class PrefixCache:
         return manager
 
     # --- chunks out of a cache, and a cache out of chunks ---------------------------------
-    def _pack(self, cache: Any, computed: int, start: int, end: int) -> list[torch.Tensor]:
-        """The chunk of tokens ``[start, end)`` of every group of a cache of ``computed`` tokens.
+    def _bind(self, cache: Any, computed: int) -> _Bound:
+        """Every group of a cache of ``computed`` tokens, bound for packing, with the first token it
+        holds (a part holds its latest tokens; a sliding one may no longer hold the first ones).
 
-        Recurrent groups give their state now, so the chunk must end where the cache does.
+        Once per forward: every chunk that forward completes is packed from the same tensors.
         """
         values = {part.name: current_value(part, cache) for part in self.parts}
         manager = self._regroup(values)
+        return [
+            (group, KVTransfer([group], values), computed - held_tokens(parts[0], cache) if group.token_indexed else 0)
+            for group, parts in zip(manager.kv_layer_groups, self.group_parts, strict=True)
+        ]
+
+    def _pack(self, bound: _Bound, start: int, end: int) -> list[torch.Tensor]:
+        """The chunk of tokens ``[start, end)`` of every group of a cache :meth:`_bind` bound.
+
+        Recurrent groups give their state now, so the chunk must end where the cache does.
+        """
         chunks = []
-        for group, parts in zip(manager.kv_layer_groups, self.group_parts, strict=True):
-            transfer = KVTransfer([group], values)
+        for group, transfer, first_held in bound:
             if not group.token_indexed:
                 chunks.append(transfer.pack(state_indices=[0])[0])
                 continue
-            # A part holds its latest tokens; a sliding one may no longer hold the chunk's first.
-            first_held = computed - held_tokens(parts[0], cache)
             available = max(start, first_held)
             packed = transfer.pack(torch.arange(available - first_held, end - first_held, device=self.device))[0]
             if available > start:
@@ -171,15 +183,16 @@ class PrefixCache:
     def prefill(self, input_ids: Any, *, progress: Progress | None = None) -> PrefillResult:
         """The cache and last-position logits of ``input_ids`` (batch 1), reusing the longest stored prefix."""
         begin = time.perf_counter()
-        ids = _prompt(input_ids).to(self.device)
-        tokens = token_array(ids)
+        prompt = _prompt(input_ids)
+        tokens = token_array(prompt)  # before the move: no copy back from the device
+        ids = prompt.to(self.device)
         total, chunk = len(tokens), self.chunk_size
-        # At least one token is computed, for the logits.
-        limit = (total - 1) // chunk * chunk
-        boundary = self.chunk_store.lookup(tokens[:limit]) if limit else 0
-        loaded = self.chunk_store.load(tokens, boundary) if boundary else LoadedPrefix(num_tokens=0)
-        cache = self._restore(loaded) if loaded.num_tokens else DynamicCache(config=self.model.config)
         keys = self.chunk_store.keys(tokens)
+        # At least one token is computed, for the logits.
+        limit = (total - 1) // chunk
+        boundary = self.chunk_store.lookup(None, keys=keys[:limit]) if limit else 0
+        loaded = self.chunk_store.load(None, boundary, keys=keys) if boundary else LoadedPrefix(num_tokens=0)
+        cache = self._restore(loaded) if loaded.num_tokens else DynamicCache(config=self.model.config)
         position = loaded.num_tokens
         logits = None
         with torch.no_grad():
@@ -193,9 +206,11 @@ class PrefixCache:
                     position_ids=torch.arange(position, end, device=self.device)[None],
                 )
                 cache, logits = output.cache, output.logits
-                for index in range(position // chunk, end // chunk):
+                completed = range(position // chunk, end // chunk)
+                bound = self._bind(cache, end) if completed else []
+                for index in completed:
                     start = index * chunk
-                    self.chunk_store.save(tokens, index, self._pack(cache, end, start, start + chunk), keys=keys)
+                    self.chunk_store.save(tokens, index, self._pack(bound, start, start + chunk), keys=keys)
                 position = end
                 if progress is not None:
                     progress(position, total)

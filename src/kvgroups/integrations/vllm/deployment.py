@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 from vllm.platforms import current_platform
 
+from kvgroups.errors import UnsupportedCacheError
 from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.integrations.vllm.engine_groups import EnginePlan, UnsupportedCacheError, engine_layout
+from kvgroups.integrations.vllm.engine_groups import EnginePlan, engine_layout
 from kvgroups.integrations.vllm.settings import ConnectorSettings, model_identity
 from kvgroups.layouts import KVLayout
 from kvgroups.manager import KVLayerGroupsManager
@@ -42,8 +43,7 @@ class Deployment:
         )
         self.identity = model_identity(vllm_config)
         self.engine_id = transfer.engine_id
-        self.num_blocks = int(kv_cache_config.num_blocks)
-        self.groups = self.plan.build_groups(self.plan.meta_values(self.num_blocks))
+        self.groups = self.plan.build_groups(self.plan.meta_values(int(kv_cache_config.num_blocks)))
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
         # A recurrent group is served only where its state has one block per request, updated in
@@ -71,10 +71,6 @@ class Deployment:
         )
         manager.kv_layer_groups = list(groups)
         return metadata
-
-    def engine_group_of(self) -> dict[int, int]:
-        """kvgroups group position -> vLLM KV-cache group index."""
-        return {member: group.index for group in self.plan.engine_groups for member in group.members}
 
 
 def request_salt(request: Any) -> str | None:

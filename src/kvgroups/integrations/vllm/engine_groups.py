@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,15 +35,11 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvgroups.errors import KVGroupsError
+from kvgroups.errors import KVGroupsError, UnsupportedCacheError
 from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.kinds import ChunkedLocal, FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
 from kvgroups.layouts import KVLayout
 from kvgroups.manager import KVLayerGroupsManager
-
-
-class UnsupportedCacheError(KVGroupsError):
-    """vLLM's KV caches hold something the connector cannot store and restore exactly."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,6 @@ class EnginePlan:
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, layout: KVLayout) -> None:
-        self.layout = layout
         allocated = {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
         every_layer = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
         self.layer_index = {name: index for index, name in enumerate(sorted(set(every_layer), key=natural_key))}
@@ -238,11 +233,7 @@ class EnginePlan:
                     list(group.layer_names), [self.layer_index[name] for name in group.layer_names],
                     group.shape, group.dtype, group.layout, group.spec,
                 ))
-            rebuilt.append(EngineGroup(
-                index=engine_group.index, block_size=engine_group.block_size, layer_names=names,
-                members=tuple(range(first, len(groups))), token_indexed=engine_group.token_indexed,
-                state_mode=engine_group.state_mode,
-            ))
+            rebuilt.append(replace(engine_group, members=tuple(range(first, len(groups)))))
         self.engine_groups = rebuilt
         return groups
 

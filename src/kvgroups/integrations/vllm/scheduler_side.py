@@ -144,7 +144,7 @@ class SchedulerSide:
             end = min(start + int(num_scheduled), len(tracked.tokens))
             chunks = tuple(
                 chunk for chunk in range(start // self.chunk_size, end // self.chunk_size)
-                if (chunk + 1) * self.chunk_size > start and chunk not in tracked.planned
+                if chunk not in tracked.planned
             )
             if not chunks:
                 continue

@@ -20,9 +20,9 @@ import torch
 
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.transfer import KVTransfer
-from kvgroups.errors import KVGroupsError
+from kvgroups.errors import KVGroupsError, UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment, tokens_of
-from kvgroups.integrations.vllm.engine_groups import EngineGroup, UnsupportedCacheError
+from kvgroups.integrations.vllm.engine_groups import EngineGroup
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
 from kvgroups.layouts import KVLayout
 from kvgroups.sizes import ceil_div
@@ -167,11 +167,13 @@ class WorkerSide:
     def _save(self, plan: SavePlan) -> None:
         store = self._bound_store()
         keys = store.keys(tokens_of(plan.token_bytes), request_salt=plan.request_salt)
+        block_ids_of = {engine_group.index: np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
+                        for engine_group in self.engine_groups}
         for chunk in plan.chunks:
             tensors: dict[int, torch.Tensor] = {}
             positions = np.arange(chunk * self.chunk_size, (chunk + 1) * self.chunk_size)
             for engine_group in self.engine_groups:
-                block_ids = np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
+                block_ids = block_ids_of[engine_group.index]
                 if engine_group.token_indexed:
                     slots = _slots(positions, block_ids, engine_group.block_size)
                     if (slots < 0).any():
