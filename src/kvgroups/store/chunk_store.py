@@ -22,7 +22,7 @@ from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.metadata import LMCacheMetadata
 from kvgroups.store.base import ByteStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
-from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, token_array
+from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes, token_array
 from kvgroups.store.prefixes import LoadedPrefix, assemble, needed_chunks
 from kvgroups.store.urls import StoreArg, open_store
 from kvgroups.store.writer import BackgroundWriter
@@ -78,10 +78,7 @@ class KVChunkStore:
         adapter, the multimodal inputs behind placeholder tokens): the same tokens with
         another salt never share a key.
         """
-        if isinstance(request_salt, str):
-            request_salt = request_salt.encode("utf-8")
-        if not isinstance(request_salt, bytes):
-            raise TypeError(f"request_salt must be a str or bytes, got {type(request_salt).__name__}")
+        request_salt = salt_bytes(request_salt, "request_salt")
         namespace = self.namespace + b"\0request-salt\0" + request_salt if request_salt else self.namespace
         return prefix_keys(token_ids, self.chunk_size, namespace)
 
@@ -267,7 +264,7 @@ class KVChunkStore:
                 raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {len(keys)} keys given")
             keys = keys[: num_tokens // self.chunk_size]
         for _ in range(_LOAD_ATTEMPTS):
-            if not keys:
+            if not keys or not self._available():  # an unavailable store serves no boundary
                 return {}, []
             tensors = self._read(keys)
             if tensors is not None:
@@ -277,17 +274,13 @@ class KVChunkStore:
         return {}, []
 
     def _read(self, keys: list[str]) -> dict[tuple[int, int], torch.Tensor] | None:
-        """Every group's needed entries at boundary ``len(keys)``, by (group, chunk); None when one is bad.
-
-        An empty dict when the store is unavailable (the caller's miss).
-        """
+        """Every group's needed entries at boundary ``len(keys)``, by (group, chunk); None when one
+        is bad, or the read fails."""
         num_chunks = len(keys)
         wanted = [
             self._info(keys[chunk], group, chunk)
             for group in range(len(self.groups)) for chunk in self.needed_chunks(group, num_chunks)
         ]
-        if not self._available():
-            return None
         try:
             values = self.store.get_many([info.key for info in wanted])
         except OSError as error:

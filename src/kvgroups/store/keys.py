@@ -26,14 +26,20 @@ _TOKEN_LIMIT = 1 << 32
 TokenIds = Sequence[int] | torch.Tensor | np.ndarray
 
 
+def salt_bytes(salt: str | bytes, name: str = "salt") -> bytes:
+    """A salt as the bytes keys are made of (a str as UTF-8); ``name`` is the argument's, for the error."""
+    if isinstance(salt, str):
+        return salt.encode("utf-8")
+    if not isinstance(salt, bytes):
+        raise TypeError(f"{name} must be a str or bytes, got {type(salt).__name__}")
+    return salt
+
+
 def chunk_namespace(metadata: LMCacheMetadata, chunk_size: int, salt: str | bytes = "") -> bytes:
     """The namespace of chunks stored for ``metadata`` in chunks of ``chunk_size`` tokens, for tenant ``salt``."""
-    if isinstance(salt, str):
-        salt = salt.encode("utf-8")
-    if not isinstance(salt, bytes):
-        raise TypeError(f"salt must be a str or bytes, got {type(salt).__name__}")
     described = {
-        "format": KEY_FORMAT, "fingerprint": metadata.fingerprint(), "chunk_size": chunk_size, "salt": salt.hex(),
+        "format": KEY_FORMAT, "fingerprint": metadata.fingerprint(), "chunk_size": chunk_size,
+        "salt": salt_bytes(salt).hex(),
     }
     return json.dumps(described, sort_keys=True, separators=(",", ":")).encode("ascii")
 

@@ -89,12 +89,15 @@ _OPENERS: Mapping[str, Callable[[str, str, str], ByteStore]] = {
 
 
 def open_store(url: StoreArg) -> ByteStore:
-    """The store ``url`` names; a list of URLs is a tiered store, fastest first; a store is itself."""
+    """The store ``url`` names; a list of URLs is a tiered store, fastest first (a list of one is
+    that store); a store is itself."""
     if isinstance(url, ByteStore):
         return url
     if isinstance(url, (list, tuple)):
         if not url:
             raise KVGroupsError("a list of store URLs must not be empty")
+        if len(url) == 1:
+            return open_store(url[0])
         return TieredStore([open_store(item) for item in url])
     if not isinstance(url, str):
         raise TypeError(f"a store is a URL, a list of URLs or a store, got {type(url).__name__}")
