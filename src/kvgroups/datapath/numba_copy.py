@@ -205,8 +205,8 @@ class NumbaTokenCopier:
         threads = self.num_threads or torch.get_num_threads()
         parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
         slots = call.cpu_slots.numpy()
+        _check_moved(self.tables[0])  # every table of a group addresses the same tensors
         for table, bases, cache_alignment in zip(self.tables, self.bases, self.cache_alignment, strict=True):
-            _check_moved(table)
             # Tokens merge into one run only when a row is one piece in the cache.
             first, offset, length = _token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
                                                 table.row_bytes, table.rows_contiguous)

@@ -108,8 +108,8 @@ class TritonTokenCopier:
         size = words.element_size()
         blocks = torch.div(call.slots, self.block_size, rounding_mode="floor")
         in_block = call.slots - blocks * self.block_size
+        _check_moved(self.tables[0])  # every table of a group addresses the same tensors
         for table, bases in zip(self.tables, self.bases, strict=True):
-            _check_moved(table)
             offsets = blocks * table.block_stride + in_block * table.offset_stride
             element_words, element_stride_words = (
                 (1, 1) if table.elements_contiguous else (table.element_bytes // size, table.element_stride // size)

@@ -99,10 +99,10 @@ class ConfigFields:
             )
         return hidden // heads
 
-    def num_kv_heads(self, name: str = "num_key_value_heads") -> int:
-        if self.get(name) is None:
+    def num_kv_heads(self) -> int:
+        if self.get("num_key_value_heads") is None:
             return self.integer("num_attention_heads")
-        return self.integer(name)
+        return self.integer("num_key_value_heads")
 
     def int_list(self, name: str, *, minimum: int = 0) -> list[int] | None:
         """A list of ints (layer indices, flags), or None when the field is not set."""

@@ -10,7 +10,6 @@ layers live in :mod:`kvgroups.models.state_layers`.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -92,7 +91,7 @@ def split_exactly(count: int, tp: int, what: str, layer_index: int) -> int:
 def state_part(shape: tuple[int, ...], role: CacheRole, mixer: str, part: str) -> RankCache:
     """One state tensor of a recurrent layer (the engine merges a layer's parts that share a dtype)."""
     spec = RecurrentState(state_shapes=(shape,))
-    return RankCache(spec=spec, num_kv_heads=1, head_size=math.prod(shape), replicated=False, role=role,
+    return RankCache(spec=spec, num_kv_heads=1, head_size=spec.state_elements, replicated=False, role=role,
                      mixer=mixer, part=part)
 
 
