@@ -118,14 +118,6 @@ def describe(cache: Any) -> list[Part]:
     return parts
 
 
-def held_tokens(part: Part, cache: Any) -> int:
-    """How many of the latest tokens a token part of ``cache`` holds right now."""
-    layer = cache.layers[part.layer_index]
-    if part.role == "indexer":
-        return int(layer.indexer_keys.shape[1])
-    return int(layer.keys.shape[-2])
-
-
 def current_value(part: Part, cache: Any) -> Any:
     """The part's tensors in ``cache``, as the kvgroups layer cache (views, never copies)."""
     layer = cache.layers[part.layer_index]

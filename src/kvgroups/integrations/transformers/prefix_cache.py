@@ -27,7 +27,6 @@ from kvgroups.integrations.transformers.cache_parts import (
     current_value,
     describe,
     empty_value,
-    held_tokens,
     install,
 )
 from kvgroups.integrations.transformers.support import check_supported, model_identity
@@ -134,9 +133,10 @@ class PrefixCache:
         """
         values = {part.name: current_value(part, cache) for part in self.parts}
         manager = self._regroup(values)
+        # A token group's layers are one block each (batch 1): its block size is the tokens it holds.
         return [
-            (group, KVTransfer([group], values), computed - held_tokens(parts[0], cache) if group.token_indexed else 0)
-            for group, parts in zip(manager.kv_layer_groups, self.group_parts, strict=True)
+            (group, KVTransfer([group], values), computed - group.block_size if group.token_indexed else 0)
+            for group in manager.kv_layer_groups
         ]
 
     def _pack(self, bound: _Bound, start: int, end: int) -> list[torch.Tensor]:
