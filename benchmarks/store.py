@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgroups.sizes import MIB
+from kvgroups.core.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
 from local_redis import local_redis
 

@@ -9,18 +9,22 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvgroups"
 
-# What each part of the package may import. The core is the package's top-level modules.
+# What each part of the package may import: each subpackage is a layer, and every layer may use the
+# project's exceptions. The top-level modules are the package itself, its exceptions and two aliases.
 ALLOWED: dict[str, set[str]] = {
-    "core": {"core"},
-    "models": {"core", "models"},
-    "datapath": {"core", "datapath"},
-    "store": {"core", "datapath", "store"},
-    "integrations": {"core", "models", "datapath", "store", "integrations"},
-    "cli": {"core", "models", "datapath", "store", "integrations", "cli"},
+    "package": {"errors", "core"},
+    "errors": set(),
+    "core": {"errors", "core"},
+    "models": {"errors", "core", "models"},
+    "datapath": {"errors", "core", "datapath"},
+    "store": {"errors", "core", "datapath", "store"},
+    "integrations": {"errors", "core", "models", "datapath", "store", "integrations"},
+    "cli": {"errors", "core", "models", "datapath", "store", "integrations", "cli"},
     # Public names and entry points that only point at a subpackage.
     "alias:transfer": {"datapath"},
     "alias:__main__": {"cli"},
 }
+TOP_LEVEL_MODULES = {"kvgroups", "kvgroups.errors", "kvgroups.transfer", "kvgroups.__main__"}
 MAX_MODULE_LINES = 350
 
 
@@ -32,12 +36,13 @@ def module_name(path: Path) -> str:
 
 
 def part_of(module: str) -> str:
+    """The layer a module belongs to: its subpackage, or what a top-level module is."""
     parts = module.split(".")
-    if len(parts) == 2 and parts[1] in ("transfer", "__main__"):
-        return f"alias:{parts[1]}"
-    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+    if len(parts) == 1:
+        return "package"
+    if len(parts) > 2 or (PACKAGE / parts[1]).is_dir():
         return parts[1]
-    return "core"
+    return {"errors": "errors", "transfer": "alias:transfer", "__main__": "alias:__main__"}.get(parts[1], "unknown")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -64,10 +69,16 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
+def test_the_top_level_holds_only_the_package_its_errors_and_aliases() -> None:
+    top_level = {module for module in graph() if module.count(".") <= 1 and part_of(module) in (
+        "package", "errors", "alias:transfer", "alias:__main__", "unknown")}
+    assert top_level == TOP_LEVEL_MODULES
+
+
 def test_nothing_imports_upward() -> None:
     offenders = []
     for module, targets in graph().items():
-        allowed = {"core"} if module == "kvgroups" else ALLOWED[part_of(module)]
+        allowed = ALLOWED.get(part_of(module), set())
         offenders += [f"{module} -> {target}" for target in sorted(targets) if part_of(target) not in allowed]
     assert offenders == []
 
@@ -100,9 +111,9 @@ def test_modules_stay_small(path: Path) -> None:
 def test_the_layering_is_what_this_test_reads() -> None:
     """The checks above would pass on an empty graph; make sure they read the real one."""
     edges = graph()
-    assert "kvgroups.layouts" in edges["kvgroups.groups"]
+    assert "kvgroups.core.layouts" in edges["kvgroups.core.groups"]
     assert "kvgroups.datapath.transfer" in edges["kvgroups.transfer"]
-    assert part_of("kvgroups.models.engine") == "models" and part_of("kvgroups.kinds") == "core"
+    assert part_of("kvgroups.models.engine") == "models" and part_of("kvgroups.core.cache_specs") == "core"
     assert part_of("kvgroups.models") == "models" and part_of("kvgroups.transfer") == "alias:transfer"
 
 

@@ -6,12 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgroups.cli.report import inspect_model
-from kvgroups.kinds import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
+from kvgroups.core.cache_specs import ChunkedLocal, FullAttention, RecurrentState, SlidingWindow
+from kvgroups.core.sizes import GIB
 from kvgroups.models.capacity import Fit, GroupCost, memory_needed, tokens_that_fit
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.engine import EngineParams
 from kvgroups.models.presets import load_model_config
-from kvgroups.sizes import GIB
 
 FULL = GroupCost(spec=FullAttention(), bytes_per_token=100, bytes_per_sequence=0)
 SLIDING = GroupCost(spec=SlidingWindow(window_tokens=40), bytes_per_token=10, bytes_per_sequence=0)

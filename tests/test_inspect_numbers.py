@@ -9,8 +9,8 @@ import pytest
 
 from kvgroups import ModelConfigError
 from kvgroups.cli.report import inspect_model
-from kvgroups.dtypes import dtype_from_name
-from kvgroups.layouts import KVLayout
+from kvgroups.core.dtypes import dtype_from_name
+from kvgroups.core.layouts import KVLayout
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.engine import EngineParams
 from kvgroups.models.presets import load_model_config

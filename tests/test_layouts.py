@@ -16,7 +16,7 @@ from kvgroups import (
     detect_layout,
     geometry,
 )
-from kvgroups.layouts import shape_for, to_token_major
+from kvgroups.core.layouts import shape_for, to_token_major
 from tests.helpers import meta
 
 NB, BS, NH, HS = 7, 16, 4, 32

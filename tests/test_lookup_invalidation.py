@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvgroups import KVLayerGroupInfo, KVLayerGroupsManager
-from kvgroups.manager import KVLayerGroupsManager as ManagerClass
+from kvgroups.core.manager import KVLayerGroupsManager as ManagerClass
 from tests.helpers import meta
 
 

@@ -23,7 +23,7 @@ from kvgroups import (
     SlidingWindow,
     detect_layout,
 )
-from kvgroups.layouts import shape_for
+from kvgroups.core.layouts import shape_for
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 KV_LAYOUTS = (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvgroups import KVGroupsError
-from kvgroups.sizes import MIB
+from kvgroups.core.sizes import MIB
 from kvgroups.store import ByteStore, EntryTooLargeError, FileStore, MemoryStore, TieredStore, open_store
 from tests.servers import Server, running_server
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvgroups.kinds import ChunkedLocal, SlidingWindow
+from kvgroups.core.cache_specs import ChunkedLocal, SlidingWindow
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.layers import (
     AttentionLayer,

@@ -1,22 +1,14 @@
 """kvgroups: describe, group and move the KV caches of large language models.
 
 The public API; LMCache's ``KVLayerGroupInfo`` / ``KVLayerGroupsManager`` / ``LMCacheMetadata``
-import from here unchanged. The core (layouts, kinds, layer caches, grouping, groups, metadata)
-lives in this package's top-level modules; ``models`` reads model configs, ``datapath`` moves
-caches (``kvgroups.transfer`` is its public name), ``store`` keeps chunks, ``integrations`` binds
-engines and ``cli`` is the command. Nothing here imports those subpackages, so importing
-``kvgroups`` stays light.
+import from here unchanged. The subpackages are the layers, each building on those before it:
+``core`` (layouts, layer-cache specs, groups, metadata), ``models`` (the offline model catalogue
+``inspect`` reads), ``datapath`` (moves caches; ``kvgroups.transfer`` is its public name),
+``store`` (keeps chunks), ``integrations`` (binds engines) and ``cli`` (the command). Importing
+``kvgroups`` loads the core only.
 """
 
-from kvgroups.errors import (
-    ChunkMismatchError,
-    KVGroupsError,
-    ModelConfigError,
-    SlotMappingError,
-    StaleGroupsError,
-)
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.kinds import (
+from kvgroups.core.cache_specs import (
     ChunkedLocal,
     FullAttention,
     LayerCacheSpec,
@@ -26,10 +18,18 @@ from kvgroups.kinds import (
     SlidingWindow,
     spec_from_dict,
 )
-from kvgroups.layer_caches import GroupKey
-from kvgroups.layouts import Axis, CacheGeometry, KVLayout, detect_layout, geometry
-from kvgroups.manager import KVLayerGroupsManager
-from kvgroups.metadata import LMCacheMetadata
+from kvgroups.core.group_keys import GroupKey
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.layouts import Axis, CacheGeometry, KVLayout, detect_layout, geometry
+from kvgroups.core.manager import KVLayerGroupsManager
+from kvgroups.core.metadata import LMCacheMetadata
+from kvgroups.errors import (
+    ChunkMismatchError,
+    KVGroupsError,
+    ModelConfigError,
+    SlotMappingError,
+    StaleGroupsError,
+)
 
 __version__ = "0.1.0"
 

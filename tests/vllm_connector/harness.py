@@ -32,10 +32,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvgroups.core.layouts import KVLayout
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from kvgroups.integrations.vllm.worker_side import WorkerSide
-from kvgroups.layouts import KVLayout
 
 HEADS, HEAD_SIZE, DTYPE = 2, 32, torch.float32
 MLA_HEAD_SIZE = HEADS * 2 * HEAD_SIZE  # one latent row per token, as large as a token's K and V rows

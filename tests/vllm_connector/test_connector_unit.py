@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kvgroups import KVLayerGroupsManager
+from kvgroups.core.layouts import KVLayout
 from kvgroups.datapath.transfer import pack
 from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.settings import ConnectorConfigError, model_identity
 from kvgroups.integrations.vllm.worker_side import check_backends
-from kvgroups.layouts import KVLayout
 from kvgroups.store import FileStore
 from tests.servers import running_server
 from tests.vllm_connector.harness import (

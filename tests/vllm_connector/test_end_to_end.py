@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvgroups.dtypes import dtype_from_name
+from kvgroups.core.dtypes import dtype_from_name
 from kvgroups.store import FileStore
 from kvgroups.store.codec import EntryInfo, decode_entry, encode_entry, read_header
 from tests.servers import running_server

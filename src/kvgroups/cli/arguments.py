@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvgroups.dtypes import ALIASES, KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
-from kvgroups.layouts import KVLayout
+from kvgroups.core.dtypes import ALIASES, KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
+from kvgroups.core.layouts import KVLayout
 
 # Layout names as the command line spells them; "hnd" is the short name of FlashInfer's HND layout.
 LAYOUTS: dict[str, KVLayout] = {

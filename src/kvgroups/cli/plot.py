@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvgroups.core.cache_specs import spec_from_dict
+from kvgroups.core.sizes import GIB
 from kvgroups.errors import KVGroupsError
-from kvgroups.kinds import spec_from_dict
 from kvgroups.models.capacity import GroupCost, memory_needed
-from kvgroups.sizes import GIB
 
 POINTS = 400
 # The context plotted when the config states no maximum and --tokens is not given.

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvgroups.formatting import compact_ranges
+from kvgroups.core.formatting import compact_ranges
 
 
 def human_bytes(count: int) -> str:

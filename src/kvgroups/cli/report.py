@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from kvgroups.dtypes import dtype_name
-from kvgroups.formatting import compact_ranges
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.metadata import LMCacheMetadata
+from kvgroups.core.dtypes import dtype_name
+from kvgroups.core.formatting import compact_ranges
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.models.capacity import Fit, GroupCost, memory_needed, tokens_that_fit
 from kvgroups.models.engine import CrossAttention, EngineParams, RankBuild, build_rank
 from kvgroups.models.layers import ModelSpec

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgroups.layer_caches import Tensors, kv_planes
-from kvgroups.layouts import KVLayout, to_token_major
+from kvgroups.core.group_keys import Tensors, kv_planes
+from kvgroups.core.layouts import KVLayout, to_token_major
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,12 +21,12 @@ from typing import Protocol
 
 import torch
 
+from kvgroups.core.group_keys import Tensors
+from kvgroups.core.layouts import KVLayout
 from kvgroups.datapath.address_tables import state_table, token_tables
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.torch_copy import StateCopier, TokenCopier
 from kvgroups.errors import KVGroupsError
-from kvgroups.layer_caches import Tensors
-from kvgroups.layouts import KVLayout
 
 KERNELS = ("numba", "triton", "torch")
 ENVIRONMENT_VARIABLE = "KVGROUPS_KERNEL"

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from kvgroups.core.sizes import MIB
 from kvgroups.datapath.address_tables import StateTable, TokenTable
 from kvgroups.datapath.numba_moves import (
     STREAMING_STORES,
@@ -35,7 +36,6 @@ from kvgroups.datapath.numba_moves import (
 )
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.errors import KVGroupsError
-from kvgroups.sizes import MIB
 
 # Below this many bytes a call runs on one thread (see the module docstring).
 PARALLEL_MIN_BYTES = 4 * MIB

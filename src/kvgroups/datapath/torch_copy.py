@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgroups.core.group_keys import Tensors, kv_planes
+from kvgroups.core.layouts import KVLayout, to_token_major
 from kvgroups.datapath.slots import CallSlots, TokenPlan
-from kvgroups.layer_caches import Tensors, kv_planes
-from kvgroups.layouts import KVLayout, to_token_major
 
 # Reinterpretation types for scatters, widest first.
 _WIDE_TYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)

@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgroups.core.group_keys import Tensors, check_layer
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.datapath.buffers import ChunkPool
 from kvgroups.datapath.kernels import Copier, choose_kernel, state_copier, token_copier
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.staging import Staging
 from kvgroups.errors import ChunkMismatchError, KVGroupsError, SlotMappingError
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.layer_caches import Tensors, check_layer
-from kvgroups.manager import KVLayerGroupsManager
 
 Groups = KVLayerGroupsManager | Sequence[KVLayerGroupInfo]
 StateIndices = torch.Tensor | Sequence[int] | int | None

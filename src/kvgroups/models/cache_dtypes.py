@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgroups.dtypes import KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
+from kvgroups.core.dtypes import KV_CACHE_DTYPES, STATE_DTYPES, dtype_from_name
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.layers import CacheRole, ModelSpec, RankCache
 

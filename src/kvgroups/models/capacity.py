@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgroups.kinds import FullAttention, LayerCacheSpec
-from kvgroups.sizes import round_up
+from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec
+from kvgroups.core.sizes import round_up
 
 _FULL = FullAttention()
 # Search ceiling when the model states no maximum context.

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgroups.core.cache_specs import ChunkedLocal, FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.errors import ModelConfigError
-from kvgroups.kinds import ChunkedLocal, FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.models.layers import AttentionLayer, ModelLayer
 
 GENERIC_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvgroups.dtypes import STATE_DTYPES
+from kvgroups.core.dtypes import STATE_DTYPES
 from kvgroups.errors import ModelConfigError
 from kvgroups.models import families
 from kvgroups.models.config_fields import (

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from kvgroups.core.cache_specs import LayerCacheSpec, RecurrentState
+from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
+from kvgroups.core.metadata import LMCacheMetadata
+from kvgroups.core.sizes import GIB, ceil_div
 from kvgroups.errors import KVGroupsError
-from kvgroups.kinds import LayerCacheSpec, RecurrentState
-from kvgroups.layouts import CacheGeometry, KVLayout, shape_for
-from kvgroups.metadata import LMCacheMetadata
 from kvgroups.models.cache_dtypes import CacheDtypes, resolve_dtypes
 from kvgroups.models.layers import ModelSpec, RankCache
-from kvgroups.sizes import GIB, ceil_div
 
 
 @dataclass(frozen=True, kw_only=True)

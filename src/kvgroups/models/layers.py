@@ -13,8 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState
 from kvgroups.errors import ModelConfigError
-from kvgroups.kinds import FullAttention, LayerCacheSpec, MLAttention, RecurrentState
 
 
 class CacheRole(enum.Enum):

@@ -17,9 +17,9 @@ from types import TracebackType
 
 import torch
 
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.metadata import LMCacheMetadata
 from kvgroups.store.base import ByteStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
 from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes, token_array

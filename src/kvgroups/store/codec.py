@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from kvgroups.dtypes import dtype_from_name, dtype_name
+from kvgroups.core.dtypes import dtype_from_name, dtype_name
 from kvgroups.errors import KVGroupsError
 
 ENTRY_FORMAT = "kvgroups.entry/1"

@@ -24,8 +24,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvgroups.core.sizes import GIB
 from kvgroups.errors import KVGroupsError
-from kvgroups.sizes import GIB
 from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreStats, Value, check_value
 
 logger = logging.getLogger(__name__)

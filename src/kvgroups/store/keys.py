@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
-from kvgroups.metadata import LMCacheMetadata
 
 # Bump when what a key covers changes, so keys of different meaning never collide.
 KEY_FORMAT = "kvgroups.prefix-keys/1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from kvgroups.sizes import GIB
+from kvgroups.core.sizes import GIB
 from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreStats, Value, check_value
 
 DEFAULT_MAX_BYTES = GIB

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.kinds import LayerCacheSpec
-from kvgroups.sizes import ceil_div
+from kvgroups.core.cache_specs import LayerCacheSpec
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.sizes import ceil_div
 
 
 @dataclass(frozen=True)

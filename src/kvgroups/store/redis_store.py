@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvgroups.sizes import MIB
+from kvgroups.core.sizes import MIB
 from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, Value, check_value
 
 KEY_PREFIX = "kvgroups:"

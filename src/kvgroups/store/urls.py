@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from kvgroups.core.sizes import parse_size
 from kvgroups.errors import KVGroupsError
-from kvgroups.sizes import parse_size
 from kvgroups.store.base import ByteStore
 from kvgroups.store.files import DEFAULT_MAX_BYTES as FILE_MAX_BYTES
 from kvgroups.store.files import FileStore

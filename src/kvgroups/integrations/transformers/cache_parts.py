@@ -31,9 +31,9 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
+from kvgroups.core.layouts import KVLayout
 from kvgroups.errors import UnsupportedCacheError
-from kvgroups.kinds import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
-from kvgroups.layouts import KVLayout
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvgroups.core.cache_specs import LayerCacheSpec
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.manager import KVLayerGroupsManager
+from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
-from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.integrations.transformers.cache_parts import (
     Part,
     current_value,
@@ -30,10 +34,6 @@ from kvgroups.integrations.transformers.cache_parts import (
     install,
 )
 from kvgroups.integrations.transformers.support import check_supported, model_identity
-from kvgroups.kinds import LayerCacheSpec
-from kvgroups.layouts import KVLayout
-from kvgroups.manager import KVLayerGroupsManager
-from kvgroups.metadata import LMCacheMetadata
 from kvgroups.store import KVChunkStore, LoadedPrefix
 from kvgroups.store.keys import token_array
 from kvgroups.store.urls import StoreArg

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 from vllm.platforms import current_platform
 
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.manager import KVLayerGroupsManager
+from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import UnsupportedCacheError
-from kvgroups.groups import KVLayerGroupInfo
 from kvgroups.integrations.vllm.engine_groups import EnginePlan, engine_layout
 from kvgroups.integrations.vllm.settings import ConnectorSettings, model_identity
-from kvgroups.layouts import KVLayout
-from kvgroups.manager import KVLayerGroupsManager
-from kvgroups.metadata import LMCacheMetadata
 
 
 class Deployment:

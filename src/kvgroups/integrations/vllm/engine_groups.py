@@ -35,11 +35,18 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvgroups.core.cache_specs import (
+    ChunkedLocal,
+    FullAttention,
+    LayerCacheSpec,
+    MLAttention,
+    RecurrentState,
+    SlidingWindow,
+)
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.kinds import ChunkedLocal, FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
-from kvgroups.layouts import KVLayout
-from kvgroups.manager import KVLayerGroupsManager
 
 
 @dataclass(frozen=True)

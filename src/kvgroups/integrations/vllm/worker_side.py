@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.sizes import ceil_div
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment, tokens_of
 from kvgroups.integrations.vllm.engine_groups import EngineGroup
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
-from kvgroups.layouts import KVLayout
-from kvgroups.sizes import ceil_div
 from kvgroups.store.chunk_store import KVChunkStore
 
 logger = logging.getLogger(__name__)

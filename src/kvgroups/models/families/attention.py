@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.errors import ModelConfigError
-from kvgroups.kinds import FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.models.config_fields import GENERIC_FIELDS, ConfigFields, family, from_layer_types
 from kvgroups.models.layers import (
     AttentionLayer,

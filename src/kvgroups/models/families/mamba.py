@@ -9,8 +9,8 @@ defaults to float32, as vLLM and transformers do); conv states keep the model dt
 
 from __future__ import annotations
 
+from kvgroups.core.cache_specs import FullAttention
 from kvgroups.errors import ModelConfigError
-from kvgroups.kinds import FullAttention
 from kvgroups.models.config_fields import ConfigFields, family, from_layer_types
 from kvgroups.models.layers import AttentionLayer, ModelLayer, NoCacheLayer, ParallelLayer
 from kvgroups.models.state_layers import Mamba1Layer, Mamba2Layer

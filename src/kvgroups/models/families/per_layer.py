@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.errors import ModelConfigError
-from kvgroups.kinds import FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.models.config_fields import ConfigFields, family
 from kvgroups.models.layers import AttentionLayer, CrossAttentionLayer, ModelLayer, NoCacheLayer
 

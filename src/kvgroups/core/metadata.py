@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from kvgroups.dtypes import dtype_from_name, dtype_name
+from kvgroups.core.dtypes import dtype_from_name, dtype_name
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.errors import KVGroupsError
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.layouts import KVLayout
-from kvgroups.manager import KVLayerGroupsManager
 
 METADATA_FORMAT = "kvgroups.metadata/1"
 # Bump when the fingerprint's inputs change meaning, so old stores are never misread.

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from kvgroups.dtypes import dtype_from_name, dtype_name
+from kvgroups.core.cache_specs import LayerCacheSpec, LayerKind, default_spec, spec_from_dict
+from kvgroups.core.dtypes import dtype_from_name, dtype_name
+from kvgroups.core.formatting import compact_ranges
+from kvgroups.core.group_keys import GroupKey
+from kvgroups.core.layouts import CacheGeometry, KVLayout, geometry, layout_from_shape
+from kvgroups.core.tracked_lists import Owner, TrackedList, tracked
 from kvgroups.errors import KVGroupsError
-from kvgroups.formatting import compact_ranges
-from kvgroups.kinds import LayerCacheSpec, LayerKind, default_spec, spec_from_dict
-from kvgroups.layer_caches import GroupKey
-from kvgroups.layouts import CacheGeometry, KVLayout, geometry, layout_from_shape
-from kvgroups.tracked_lists import Owner, TrackedList, tracked
 
 
 @dataclass(init=False, repr=False)
@@ -30,7 +30,7 @@ class KVLayerGroupInfo:
 
     ``shape`` is one layer's cache tensor shape (for KV_SPLIT layouts: of the K tensor, which
     equals V's; for RECURRENT: ``[num_state_slots, state_elements]``). When ``layout`` is not
-    given it is read from ``shape`` as :func:`~kvgroups.layouts.detect_layout` does; when ``spec``
+    given it is read from ``shape`` as :func:`~kvgroups.core.layouts.detect_layout` does; when ``spec``
     is not given it is MLA for MLA caches and full attention otherwise.
     """
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.sizes import round_up
 from kvgroups.errors import KVGroupsError
-from kvgroups.layouts import KVLayout
-from kvgroups.sizes import round_up
 
 
 class LayerKind(enum.Enum):

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from kvgroups.core.cache_specs import LayerCacheSpec
+from kvgroups.core.grouping import LayoutArg, plan_groups
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.tracked_lists import tracked
 from kvgroups.errors import KVGroupsError, StaleGroupsError
-from kvgroups.grouping import LayoutArg, plan_groups
-from kvgroups.groups import KVLayerGroupInfo
-from kvgroups.kinds import LayerCacheSpec
-from kvgroups.tracked_lists import tracked
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,8 @@ class KVLayerGroupsManager:
 
         A layer's index is its position in ``kv_caches``; groups are ordered by their first
         layer and keep the dict's order inside. Each cache is a tensor in one of the
-        :class:`~kvgroups.layouts.KVLayout` layouts, a ``(k, v)`` pair, or for a recurrent layer
-        (whose ``layer_specs`` entry is a :class:`~kvgroups.kinds.RecurrentState`) a tensor or
+        :class:`~kvgroups.core.layouts.KVLayout` layouts, a ``(k, v)`` pair, or for a recurrent layer
+        (whose ``layer_specs`` entry is a :class:`~kvgroups.core.cache_specs.RecurrentState`) a tensor or
         tuple of state tensors ``[num_state_slots, *state_shape]``. ``layout`` fixes the layout
         of every layer, or of the named ones; otherwise it is detected. Tensor data is never read.
 

@@ -1,7 +1,7 @@
 """The grouping planner: from live caches to groups, every layer validated, then bucketed by GroupKey.
 
 Validation runs over all layers before anything is decided, so one error lists every offender.
-What a layer's value is and which key it has is :mod:`kvgroups.layer_caches`' call; this module
+What a layer's value is and which key it has is :mod:`kvgroups.core.group_keys`' call; this module
 checks the arguments, collects the errors and buckets. Only shapes, dtypes and devices are read,
 never tensor data: meta tensors work.
 """
@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from kvgroups.core.cache_specs import LayerCacheSpec, LayerKind
+from kvgroups.core.formatting import compact_ranges
+from kvgroups.core.group_keys import GroupKey, LayerTypeError, LayerValueError, as_tensors, layer_key
+from kvgroups.core.layouts import KVLayout
 from kvgroups.errors import KVGroupsError
-from kvgroups.formatting import compact_ranges
-from kvgroups.kinds import LayerCacheSpec, LayerKind
-from kvgroups.layer_caches import GroupKey, LayerTypeError, LayerValueError, as_tensors, layer_key
-from kvgroups.layouts import KVLayout
 
 LayoutArg = KVLayout | Mapping[str, KVLayout] | None
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgroups.core.cache_specs import LayerCacheSpec, default_spec
+from kvgroups.core.formatting import describe_value
+from kvgroups.core.layouts import Axis, KVLayout, detect_layout, layout_from_shape
 from kvgroups.errors import KVGroupsError
-from kvgroups.formatting import describe_value
-from kvgroups.kinds import LayerCacheSpec, default_spec
-from kvgroups.layouts import Axis, KVLayout, detect_layout, layout_from_shape
 
 Tensors = tuple[torch.Tensor, ...]
 
