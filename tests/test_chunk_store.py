@@ -23,14 +23,15 @@ from kvgroups import (
     SlidingWindow,
 )
 from kvgroups.store import KVChunkStore, MemoryStore, open_store
-from kvgroups.store import chunk_store as chunk_store_module
+from kvgroups.store import health
 from tests.helpers import meta
 from tests.servers import running_server
 
 KINDS = ("full", "sliding", "chunked", "mla", "recurrent")
 
 
-def build_metadata(kinds: list[tuple[str, int]], *, model_name: str = "m", num_kv_heads: int = 2) -> LMCacheMetadata:
+def build_metadata(kinds: list[tuple[str, int]], *, model_name: str = "m", num_kv_heads: int = 2,
+                   chunk_size: int = 8) -> LMCacheMetadata:
     """One layer per entry: (kind, window or attention-chunk tokens)."""
     caches: dict[str, Any] = {}
     specs: dict[str, LayerCacheSpec] = {}
@@ -52,7 +53,7 @@ def build_metadata(kinds: list[tuple[str, int]], *, model_name: str = "m", num_k
     use_mla = any(kind == "mla" for kind, _ in kinds)
     metadata = LMCacheMetadata(model_name, 1, 1, 0, 0, torch.bfloat16, (len(kinds), 1 if use_mla else 2, 256,
                                                                         1 if use_mla else num_kv_heads, 4),
-                               use_mla=use_mla)
+                               use_mla=use_mla, chunk_size=chunk_size)
     metadata.kv_layer_groups_manager.build_kv_layer_groups(caches, specs)
     return metadata
 
@@ -101,8 +102,8 @@ def expected_boundary(store: KVChunkStore, available: set[tuple[int, int]], num_
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_lookup_never_promises_more_than_load_serves_and_load_is_exact(scenario: Scenario) -> None:
-    metadata = build_metadata(scenario.kinds)
-    with KVChunkStore(metadata, MemoryStore(), chunk_size=scenario.chunk_size) as store:
+    metadata = build_metadata(scenario.kinds, chunk_size=scenario.chunk_size)
+    with KVChunkStore(metadata, MemoryStore()) as store:
         keys = store.keys(scenario.tokens)
         saved: dict[int, list[torch.Tensor]] = {}
         for chunk in scenario.saved:
@@ -137,7 +138,7 @@ def test_lookup_never_promises_more_than_load_serves_and_load_is_exact(scenario:
 
 def test_each_kind_asks_only_for_what_it_keeps() -> None:
     metadata = build_metadata([("full", 0), ("sliding", 20), ("chunked", 24), ("recurrent", 0)])
-    with KVChunkStore(metadata, MemoryStore(), chunk_size=8) as store:
+    with KVChunkStore(metadata, MemoryStore()) as store:
         full, sliding, chunked, recurrent = range(4)
         assert store.needed_chunks(full, 6) == range(0, 6)
         assert store.needed_chunks(sliding, 6) == range(3, 6)  # tokens 28..47 lie in chunks 3..5
@@ -150,7 +151,7 @@ def test_each_kind_asks_only_for_what_it_keeps() -> None:
 def test_a_missing_recurrent_state_is_never_reported_as_a_hit() -> None:
     metadata = build_metadata([("full", 0), ("recurrent", 0)])
     tokens = list(range(40))
-    with KVChunkStore(metadata, MemoryStore(), chunk_size=8) as store:
+    with KVChunkStore(metadata, MemoryStore()) as store:
         keys = store.keys(tokens)
         for chunk in range(5):
             store.save(tokens, chunk, chunk_tensors(store, tokens, chunk), keys=keys)
@@ -165,9 +166,9 @@ def test_a_missing_recurrent_state_is_never_reported_as_a_hit() -> None:
 def test_sliding_groups_read_only_their_window() -> None:
     """Gemma-3-like: 5 sliding (1024) layers per full layer, 256-token chunks, a 64k-token prefix."""
     kinds = [("sliding", 1024)] * 5 + [("full", 0)]
-    metadata = build_metadata(kinds, num_kv_heads=1)
+    metadata = build_metadata(kinds, num_kv_heads=1, chunk_size=256)
     tokens = [index % 1000 for index in range(65536)]
-    with KVChunkStore(metadata, MemoryStore(max_bytes=1 << 30), chunk_size=256) as store:
+    with KVChunkStore(metadata, MemoryStore(max_bytes=1 << 30)) as store:
         keys = store.keys(tokens)
         shapes = [group.chunk_shape(256) for group in store.groups]
         for chunk in range(len(keys)):
@@ -191,9 +192,8 @@ def test_sliding_groups_read_only_their_window() -> None:
         assert read[0] * 60 < stored(0, range(256)) and sum(read) < 0.2 * every_chunk
 
 
-def saved_store(metadata: LMCacheMetadata, store: Any, tokens: list[int], *, salt: str = "",
-                chunk_size: int = 8) -> KVChunkStore:
-    chunk_store = KVChunkStore(metadata, store, chunk_size=chunk_size, salt=salt)
+def saved_store(metadata: LMCacheMetadata, store: Any, tokens: list[int], *, salt: str = "") -> KVChunkStore:
+    chunk_store = KVChunkStore(metadata, store, salt=salt)
     keys = chunk_store.keys(tokens)
     for chunk in range(len(keys)):
         chunk_store.save(tokens, chunk, chunk_tensors(chunk_store, tokens, chunk), keys=keys)
@@ -205,14 +205,14 @@ def test_another_fingerprint_or_salt_never_hits() -> None:
     tokens = list(range(32))
     shared = MemoryStore()
     saved_store(build_metadata([("full", 0)]), shared, tokens, salt="tenant-a")
-    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=8, salt="tenant-a").lookup(tokens) == 32
-    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=8, salt="tenant-b").lookup(tokens) == 0
-    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=8).lookup(tokens) == 0
+    assert KVChunkStore(build_metadata([("full", 0)]), shared, salt="tenant-a").lookup(tokens) == 32
+    assert KVChunkStore(build_metadata([("full", 0)]), shared, salt="tenant-b").lookup(tokens) == 0
+    assert KVChunkStore(build_metadata([("full", 0)]), shared).lookup(tokens) == 0
     other_heads = build_metadata([("full", 0)], num_kv_heads=4)
-    assert KVChunkStore(other_heads, shared, chunk_size=8, salt="tenant-a").lookup(tokens) == 0
+    assert KVChunkStore(other_heads, shared, salt="tenant-a").lookup(tokens) == 0
     other_model = build_metadata([("full", 0)], model_name="other")
-    assert KVChunkStore(other_model, shared, chunk_size=8, salt="tenant-a").lookup(tokens) == 0
-    assert KVChunkStore(build_metadata([("full", 0)]), shared, chunk_size=16, salt="tenant-a").lookup(tokens) == 0
+    assert KVChunkStore(other_model, shared, salt="tenant-a").lookup(tokens) == 0
+    assert KVChunkStore(build_metadata([("full", 0)], chunk_size=16), shared, salt="tenant-a").lookup(tokens) == 0
 
 
 def test_a_value_under_the_wrong_key_is_never_served(caplog: pytest.LogCaptureFixture) -> None:
@@ -248,7 +248,7 @@ def test_a_server_stopped_mid_run_costs_misses_not_exceptions(tmp_path: Path, ca
         assert "lookup failed" in caplog.text
         # After one failure the store is left alone for a while: no request waits for its timeouts.
         assert store.stats.failed_reads == 1 and store.stats.dropped_saves == 1
-    monkeypatch.setattr(chunk_store_module, "RETRY_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(health, "RETRY_AFTER_SECONDS", 0.0)
     with running_server(tmp_path / "again", port=server.port) as restarted:
         assert restarted.url == server.url
         assert store.lookup(tokens) == 0  # back, empty: a miss, then new saves land
@@ -260,7 +260,7 @@ def test_a_server_stopped_mid_run_costs_misses_not_exceptions(tmp_path: Path, ca
 
 def test_bad_input_raises_at_once() -> None:
     metadata = build_metadata([("full", 0), ("recurrent", 0)])
-    with KVChunkStore(metadata, MemoryStore(), chunk_size=8) as store:
+    with KVChunkStore(metadata, MemoryStore()) as store:
         tokens = list(range(20))
         good = chunk_tensors(store, tokens, 0)
         with pytest.raises(KVGroupsError, match=r"chunk_index 2 is not a full chunk of these 2 chunk"):
@@ -283,7 +283,7 @@ def test_mla_and_multi_tier_round_trip(tmp_path: Path) -> None:
     tokens = list(range(24))
     store = saved_store(metadata, ["memory://", f"file://{tmp_path}/kv"], tokens)
     assert store.lookup(tokens) == 24
-    on_disk_only = KVChunkStore(metadata, open_store(f"file://{tmp_path}/kv"), chunk_size=8)
+    on_disk_only = KVChunkStore(metadata, open_store(f"file://{tmp_path}/kv"))
     loaded = on_disk_only.load(tokens, on_disk_only.lookup(tokens))
     assert loaded.num_tokens == 24 and loaded.groups[0].tensor.shape == (1, 2, 24, 12)
     expected = torch.cat([chunk_tensors(store, tokens, chunk)[0] for chunk in range(3)], dim=2)
@@ -294,7 +294,7 @@ def test_mla_and_multi_tier_round_trip(tmp_path: Path) -> None:
 def test_request_salts_keys_partial_saves_and_verify() -> None:
     tokens = list(range(24))
     shared = MemoryStore()
-    store = KVChunkStore(build_metadata([("full", 0), ("recurrent", 0)]), shared, chunk_size=8)
+    store = KVChunkStore(build_metadata([("full", 0), ("recurrent", 0)]), shared)
     plain, salted = store.keys(tokens), store.keys(tokens, request_salt="cache-salt-1")
     assert len(plain) == len(salted) == 3 and not set(plain) & set(salted)
     assert store.keys(tokens, request_salt=b"cache-salt-1") == salted

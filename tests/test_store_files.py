@@ -46,7 +46,7 @@ READ_CHUNKS = """
     from kvgroups.store import KVChunkStore
     from tests.test_chunk_store import build_metadata
     tokens = list(range(int(sys.argv[2])))
-    store = KVChunkStore(build_metadata([("full", 0), ("sliding", 12), ("recurrent", 0)]), sys.argv[1], chunk_size=8)
+    store = KVChunkStore(build_metadata([("full", 0), ("sliding", 12), ("recurrent", 0)]), sys.argv[1])
     boundary = store.lookup(tokens)
     loaded = store.load(tokens, boundary)
     print(json.dumps([boundary, loaded.num_tokens, [float(part.tensor.float().sum()) for part in loaded.groups]]))
@@ -57,7 +57,7 @@ def test_a_new_process_serves_what_another_wrote(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/kv"
     finished(python(WRITE_CHUNKS, url, "40"))
     metadata = build_metadata([("full", 0), ("sliding", 12), ("recurrent", 0)])
-    store = KVChunkStore(metadata, url, chunk_size=8)
+    store = KVChunkStore(metadata, url)
     tokens = list(range(40))
     assert store.lookup(tokens) == 40
     loaded = store.load(tokens, 40)
@@ -150,7 +150,7 @@ def test_a_flipped_byte_makes_its_entry_a_miss_and_verify_reports_it(tmp_path: P
     data = bytearray(victim.read_bytes())
     data[-7] ^= 0x01  # one bit of the tensor payload
     victim.write_bytes(bytes(data))
-    fresh = KVChunkStore(metadata, url, chunk_size=8)
+    fresh = KVChunkStore(metadata, url)
     assert fresh.lookup(tokens) == 32  # the file is there...
     loaded = fresh.load(tokens, 32)
     assert loaded.num_tokens == 16  # ...but its checksum fails: a shorter prefix, exact

@@ -89,13 +89,13 @@ def metadata(**changes: object) -> LMCacheMetadata:
 
 
 def test_the_namespace_binds_fingerprint_chunk_size_and_salt() -> None:
-    base = chunk_namespace(metadata(), 256)
-    assert chunk_namespace(metadata(), 256) == base
-    assert chunk_namespace(metadata(), 256, salt="tenant-a") != base
-    assert chunk_namespace(metadata(), 256, salt="tenant-a") != chunk_namespace(metadata(), 256, salt="tenant-b")
-    assert chunk_namespace(metadata(), 128) != base
-    assert chunk_namespace(metadata(model_name="other"), 256) != base
-    assert chunk_namespace(metadata(world_size=2, local_world_size=2), 256) != base
+    base = chunk_namespace(metadata())
+    assert chunk_namespace(metadata()) == base
+    assert chunk_namespace(metadata(), salt="tenant-a") != base
+    assert chunk_namespace(metadata(), salt="tenant-a") != chunk_namespace(metadata(), salt="tenant-b")
+    assert chunk_namespace(metadata(chunk_size=128)) != base
+    assert chunk_namespace(metadata(model_name="other")) != base
+    assert chunk_namespace(metadata(world_size=2, local_world_size=2)) != base
     assert json.loads(base)["fingerprint"] == metadata().fingerprint()
 
 
@@ -111,4 +111,4 @@ def test_bad_arguments_name_what_is_wrong() -> None:
     with pytest.raises(TypeError, match=r"namespace must be a str or bytes, got int"):
         prefix_keys([1], 1, 7)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"salt must be a str or bytes"):
-        chunk_namespace(metadata(), 256, salt=3)  # type: ignore[arg-type]
+        chunk_namespace(metadata(), salt=3)  # type: ignore[arg-type]

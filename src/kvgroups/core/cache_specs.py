@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.layouts import KVLayout
 from kvgroups.core.sizes import round_up
 from kvgroups.errors import KVGroupsError
@@ -84,7 +85,7 @@ def _registered(cls: Any) -> Any:
 
 
 def _positive_int(owner: str, field_name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int_at_least(value, 1):
         raise KVGroupsError(f"{owner}.{field_name} must be a positive int, got {value!r}")
     return value
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvgroups.core.cache_specs import LayerCacheSpec, LayerKind, default_spec, spec_from_dict
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.dtypes import dtype_from_name, dtype_name
 from kvgroups.core.formatting import compact_ranges
 from kvgroups.core.group_keys import GroupKey
@@ -65,10 +66,7 @@ class KVLayerGroupInfo:
                 f"each layer needs one name and one index"
             )
         bad_names = [name for name in names if not isinstance(name, str)]
-        bad_indices = [
-            index for index in indices
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0
-        ]
+        bad_indices = [index for index in indices if not is_int_at_least(index, 0)]
         if bad_names or bad_indices:
             raise TypeError(
                 f"{owner}: layer names must be str and layer indices non-negative ints; "

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvgroups.core.checks import int_at_least, is_int_at_least
 from kvgroups.core.dtypes import dtype_from_name, dtype_name
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import KVLayout
@@ -20,10 +21,6 @@ from kvgroups.errors import KVGroupsError
 METADATA_FORMAT = "kvgroups.metadata/1"
 # Bump when the fingerprint's inputs change meaning, so old stores are never misread.
 CHUNK_FORMAT = "kvgroups.chunk/1"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -54,20 +51,20 @@ class LMCacheMetadata:
         problems: list[str] = []
         if not isinstance(self.model_name, str):
             problems.append(f"model_name must be a str, got {self.model_name!r}")
-        if not _is_int(self.world_size) or self.world_size < 1:
+        if not is_int_at_least(self.world_size, 1):
             problems.append(f"world_size must be an int >= 1, got {self.world_size!r}")
-        elif not _is_int(self.worker_id) or not 0 <= self.worker_id < self.world_size:
+        elif not is_int_at_least(self.worker_id, 0) or self.worker_id >= self.world_size:
             problems.append(
                 f"worker_id must be an int in [0, world_size={self.world_size}), got {self.worker_id!r}"
             )
-        if not _is_int(self.local_world_size) or self.local_world_size < 1:
+        if not is_int_at_least(self.local_world_size, 1):
             problems.append(f"local_world_size must be an int >= 1, got {self.local_world_size!r}")
-        elif not _is_int(self.local_worker_id) or not 0 <= self.local_worker_id < self.local_world_size:
+        elif not is_int_at_least(self.local_worker_id, 0) or self.local_worker_id >= self.local_world_size:
             problems.append(
                 f"local_worker_id must be an int in [0, local_world_size={self.local_world_size}), "
                 f"got {self.local_worker_id!r}"
             )
-        if not _is_int(self.chunk_size) or self.chunk_size < 1:
+        if not is_int_at_least(self.chunk_size, 1):
             problems.append(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
         if not isinstance(self.kv_dtype, torch.dtype):
             problems.append(f"kv_dtype must be a torch.dtype, got {self.kv_dtype!r}")
@@ -77,7 +74,7 @@ class LMCacheMetadata:
         if (
             not isinstance(shape, (tuple, list, torch.Size))
             or len(shape) != 5
-            or not all(_is_int(dim) and dim > 0 for dim in shape)
+            or not all(is_int_at_least(dim, 1) for dim in shape)
         ):
             problems.append(
                 f"kv_shape must be 5 positive ints (num_layer, kv_size, chunk_size, num_kv_head, "
@@ -140,8 +137,7 @@ class LMCacheMetadata:
         """
         if num_tokens is None:
             num_tokens = self.chunk_size
-        if not _is_int(num_tokens) or num_tokens < 0:
-            raise KVGroupsError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        int_at_least("num_tokens", num_tokens, 0)
         groups = self.kv_layer_groups_manager.kv_layer_groups
         if groups:
             return [group.chunk_shape(num_tokens) for group in groups]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.group_keys import Tensors, check_layer
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.manager import KVLayerGroupsManager
@@ -90,8 +91,7 @@ class KVTransfer:
 
     def __init__(self, groups: Groups, kv_caches: Mapping[str, Any], *, kernel: str | None = None,
                  num_threads: int | None = None) -> None:
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                        or num_threads < 1):
+        if num_threads is not None and not is_int_at_least(num_threads, 1):
             raise KVGroupsError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
         self.groups = _group_list(groups)
         layers, self.device = _bind_layers(self.groups, kv_caches)

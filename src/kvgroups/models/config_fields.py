@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgroups.core.cache_specs import ChunkedLocal, FullAttention, LayerCacheSpec, SlidingWindow
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.layers import AttentionLayer, ModelLayer
 
@@ -72,7 +73,7 @@ class ConfigFields:
         value = self.get(name)
         if value is None:
             raise ModelConfigError(f"config (model_type {self.model_type!r}) lacks field {name!r}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if not is_int_at_least(value, minimum):
             raise ModelConfigError(
                 f"config field {name!r} must be an int >= {minimum}, got {value!r} "
                 f"(model_type {self.model_type!r})"
@@ -109,9 +110,7 @@ class ConfigFields:
         value = self.get(name)
         if value is None:
             return None
-        if not isinstance(value, list) or any(
-            isinstance(item, bool) or not isinstance(item, int) or item < minimum for item in value
-        ):
+        if not isinstance(value, list) or not all(is_int_at_least(item, minimum) for item in value):
             raise ModelConfigError(
                 f"config field {name!r} must be a list of ints >= {minimum}, got {value!r} "
                 f"(model_type {self.model_type!r})"
@@ -132,7 +131,7 @@ class ConfigFields:
         window = self.get("sliding_window")
         if window is None or self.get("use_sliding_window") is False:
             return None
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        if not is_int_at_least(window, 1):
             raise ModelConfigError(f"sliding_window must be a positive int or null, got {window!r}")
         max_positions = self.get("max_position_embeddings")
         if isinstance(max_positions, int) and window >= max_positions:

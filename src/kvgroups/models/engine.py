@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvgroups.core.cache_specs import LayerCacheSpec, RecurrentState
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.core.sizes import GIB, ceil_div
@@ -56,7 +57,7 @@ class EngineParams:
         problems = []
         for name in ("tp", "block_size", "chunk_size", "seqs"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int_at_least(value, 1):
                 problems.append(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
         if isinstance(self.tp, int) and not (isinstance(self.rank, int) and 0 <= self.rank < self.tp):
             problems.append(f"--rank must be in [0, --tp={self.tp}), got {self.rank!r}")
@@ -64,7 +65,7 @@ class EngineParams:
             problems.append(f"--memory must be a positive number of GiB, got {self.memory_gib!r}")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
             problems.append(f"--tokens must be an int >= 1, got {self.tokens!r}")
-        if isinstance(self.images, bool) or not isinstance(self.images, int) or self.images < 0:
+        if not is_int_at_least(self.images, 0):
             problems.append(f"--images must be an int >= 0, got {self.images!r}")
         if self.image_tokens is not None and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
             problems.append(f"--image-tokens must be an int >= 1, got {self.image_tokens!r}")

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
 
+from kvgroups.core.checks import int_at_least, is_int_at_least
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import ByteStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
+from kvgroups.store.health import Backoff
 from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes, token_array
-from kvgroups.store.prefixes import LoadedPrefix, assemble, needed_chunks
+from kvgroups.store.prefixes import LoadedPrefix, assemble, needed_chunks, servable_chunks
 from kvgroups.store.urls import StoreArg, open_store
 from kvgroups.store.writer import BackgroundWriter
 
@@ -31,9 +32,6 @@ logger = logging.getLogger(__name__)
 
 # A stored prefix is retried at most this many times, each at a shorter boundary, when entries fail to load.
 _LOAD_ATTEMPTS = 4
-_WARNING_INTERVAL_SECONDS = 10.0
-# After a store fails, it is left alone this long: requests get misses at once instead of timeouts.
-RETRY_AFTER_SECONDS = 5.0
 
 
 @dataclass
@@ -48,27 +46,39 @@ class ChunkStoreStats:
 
 
 class KVChunkStore:
-    """Chunks of the groups of ``metadata``, keyed by prefix, in ``store`` (URL(s) or a byte store)."""
+    """A model's KV chunks, one entry per (chunk, group), keyed by prefix, in a byte store.
 
-    def __init__(self, metadata: LMCacheMetadata, store: StoreArg, *, chunk_size: int = 256,
-                 salt: str | bytes = "", max_pending: int = 64, save_wait_seconds: float = 10.0) -> None:
+    Args:
+        metadata: the model's :class:`~kvgroups.LMCacheMetadata` with its groups built; its
+            fingerprint names every entry and its ``chunk_size`` is the tokens per chunk.
+        store: a store URL (``memory://``, ``file:///dir``, ``redis://host:port/db``, ...), a list
+            of URLs (tiers, fastest first) or a :class:`~kvgroups.store.ByteStore`. A store
+            opened from URLs here is closed by :meth:`close`; a store passed in is the caller's.
+        salt: the tenant's salt: chunks saved under one salt are never served under another.
+        max_pending: saves queued for the background writer before a save waits for room.
+        save_wait_seconds: how long a save waits for room before it is dropped (counted).
+
+    Raises:
+        TypeError: ``metadata`` is not an ``LMCacheMetadata``.
+        KVGroupsError: the metadata has no groups, or ``store`` is a URL kvgroups cannot open.
+    """
+
+    def __init__(self, metadata: LMCacheMetadata, store: StoreArg, *, salt: str | bytes = "",
+                 max_pending: int = 64, save_wait_seconds: float = 10.0) -> None:
         if not isinstance(metadata, LMCacheMetadata):
             raise TypeError(f"metadata must be an LMCacheMetadata, got {type(metadata).__name__}")
         groups = list(metadata.kv_layer_groups_manager.kv_layer_groups)
         if not groups:
             raise KVGroupsError("metadata has no layer groups; build them (build_kv_layer_groups) first")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise KVGroupsError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
         self.groups: list[KVLayerGroupInfo] = groups
-        self.chunk_size = chunk_size
+        self.chunk_size = metadata.chunk_size
         self.fingerprint = metadata.fingerprint()
-        self.namespace = chunk_namespace(metadata, chunk_size, salt)
+        self.namespace = chunk_namespace(metadata, salt)
         self._owns_store = not isinstance(store, ByteStore)
         self.store = open_store(store)
         self.stats = ChunkStoreStats(bytes_read=[0] * len(groups))
         self._writer = BackgroundWriter(max_pending, save_wait_seconds)
-        self._last_warning: dict[str, float] = {}
-        self._failed_at = -RETRY_AFTER_SECONDS
+        self._backoff = Backoff(self.store.url)
 
     # --- keys and needs -------------------------------------------------------------------
     def keys(self, token_ids: TokenIds, *, request_salt: str | bytes = "") -> list[str]:
@@ -97,21 +107,9 @@ class KVChunkStore:
             chunk_index=chunk_index, dtype=group.dtype, shape=tuple(group.chunk_shape(self.chunk_size)),
         )
 
-    def _available(self) -> bool:
-        """False for a while after the store failed (see :data:`RETRY_AFTER_SECONDS`)."""
-        return time.monotonic() - self._failed_at >= RETRY_AFTER_SECONDS
-
-    def _failed(self, kind: str, error: OSError) -> None:
-        self._failed_at = time.monotonic()
-        self.stats.failed_reads += kind != "save"
-        self._warn(kind, "chunk store %s: %s failed, treating it as a miss for %.0f s: %s", self.store.url, kind,
-                   RETRY_AFTER_SECONDS, error)
-
-    def _warn(self, kind: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last_warning.get(kind, -_WARNING_INTERVAL_SECONDS) >= _WARNING_INTERVAL_SECONDS:
-            self._last_warning[kind] = now
-            logger.warning(message, *args)
+    def _failed(self, action: str, error: OSError) -> None:
+        self.stats.failed_reads += action != "save"
+        self._backoff.failed(action, error)
 
     # --- save -----------------------------------------------------------------------------
     def save(self, token_ids: TokenIds, chunk_index: int, tensors: Sequence[torch.Tensor], *,
@@ -127,7 +125,7 @@ class KVChunkStore:
         """
         if keys is None:
             keys = self.keys(token_array(token_ids)[: (chunk_index + 1) * self.chunk_size])
-        if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or not 0 <= chunk_index < len(keys):
+        if not is_int_at_least(chunk_index, 0) or chunk_index >= len(keys):
             raise KVGroupsError(f"chunk_index {chunk_index!r} is not a full chunk of these {len(keys)} chunk(s) of "
                                 f"{self.chunk_size} tokens")
         tensors = list(tensors)
@@ -142,8 +140,7 @@ class KVChunkStore:
         chunk (a sliding window that moved on, a state that is not at this boundary) saves those,
         and lookups treat the others as missing.
         """
-        if isinstance(chunk_index, bool) or not isinstance(chunk_index, int) or chunk_index < 0:
-            raise KVGroupsError(f"chunk_index must be an int >= 0, got {chunk_index!r}")
+        int_at_least("chunk_index", chunk_index, 0)
         bad_groups = [index for index in tensors if not (isinstance(index, int) and 0 <= index < len(self.groups))]
         if bad_groups:
             raise KVGroupsError(f"save names groups {bad_groups}; these {len(self.groups)} groups are 0.."
@@ -157,7 +154,7 @@ class KVChunkStore:
                                     f"{info.dtype} {list(info.shape)} per chunk")
         if not infos:
             return
-        if not self._available():
+        if not self._backoff.available():
             self.stats.dropped_saves += 1
             return
 
@@ -188,33 +185,17 @@ class KVChunkStore:
         if not keys:
             return 0
         groups = range(len(self.groups))
-        if not self._available():
+        if not self._backoff.available():
             return 0
         try:
             present = self.store.contains_many([self.entry_key(key, group) for group in groups for key in keys])
         except OSError as error:
             self._failed("lookup", error)
             return 0
-        # counts[g][i]: entries of group g present among chunks [0, i).
-        counts = []
-        for group in groups:
-            row = [0]
-            for found in present[group * len(keys):(group + 1) * len(keys)]:
-                row.append(row[-1] + found)
-            counts.append(row)
-
-        def servable(num_chunks: int) -> bool:
-            for group in groups:
-                needed = self.needed_chunks(group, num_chunks)
-                if counts[group][needed.stop] - counts[group][needed.start] != len(needed):
-                    return False
-            return True
-
-        for num_chunks in range(len(keys), 0, -1):
-            if servable(num_chunks):
-                self.stats.hit_tokens += num_chunks * self.chunk_size
-                return num_chunks * self.chunk_size
-        return 0
+        rows = [present[group * len(keys):(group + 1) * len(keys)] for group in groups]
+        num_chunks = servable_chunks([group.spec for group in self.groups], rows, self.chunk_size)
+        self.stats.hit_tokens += num_chunks * self.chunk_size
+        return num_chunks * self.chunk_size
 
     def load(self, token_ids: TokenIds | None, num_tokens: int, *,
              keys: Sequence[str] | None = None) -> LoadedPrefix:
@@ -249,8 +230,7 @@ class KVChunkStore:
     def _read_boundary(self, token_ids: TokenIds | None, num_tokens: int,
                        keys: Sequence[str] | None) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
         """The entries at the longest readable boundary up to ``num_tokens``, and the keys up to it."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0 or \
-                num_tokens % self.chunk_size:
+        if not is_int_at_least(num_tokens, 0) or num_tokens % self.chunk_size:
             raise KVGroupsError(f"num_tokens {num_tokens!r} must be a multiple of chunk_size {self.chunk_size}")
         if keys is None:
             tokens = token_array(token_ids) if token_ids is not None else None
@@ -264,7 +244,7 @@ class KVChunkStore:
                 raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {len(keys)} keys given")
             keys = keys[: num_tokens // self.chunk_size]
         for _ in range(_LOAD_ATTEMPTS):
-            if not keys or not self._available():  # an unavailable store serves no boundary
+            if not keys or not self._backoff.available():  # an unavailable store serves no boundary
                 return {}, []
             tensors = self._read(keys)
             if tensors is not None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvgroups.core.checks import int_at_least
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
 
@@ -35,10 +36,10 @@ def salt_bytes(salt: str | bytes, name: str = "salt") -> bytes:
     return salt
 
 
-def chunk_namespace(metadata: LMCacheMetadata, chunk_size: int, salt: str | bytes = "") -> bytes:
-    """The namespace of chunks stored for ``metadata`` in chunks of ``chunk_size`` tokens, for tenant ``salt``."""
+def chunk_namespace(metadata: LMCacheMetadata, salt: str | bytes = "") -> bytes:
+    """The namespace of chunks stored for ``metadata`` (in its ``chunk_size``) for tenant ``salt``."""
     described = {
-        "format": KEY_FORMAT, "fingerprint": metadata.fingerprint(), "chunk_size": chunk_size,
+        "format": KEY_FORMAT, "fingerprint": metadata.fingerprint(), "chunk_size": metadata.chunk_size,
         "salt": salt_bytes(salt).hex(),
     }
     return json.dumps(described, sort_keys=True, separators=(",", ":")).encode("ascii")
@@ -63,8 +64,7 @@ def token_array(token_ids: TokenIds) -> np.ndarray:
 
 def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes) -> list[str]:
     """One hex key per full chunk of ``chunk_size`` tokens; a partial trailing chunk has none."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise KVGroupsError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    int_at_least("chunk_size", chunk_size, 1)
     if isinstance(namespace, str):
         namespace = namespace.encode("utf-8")
     if not isinstance(namespace, bytes):

@@ -48,6 +48,29 @@ def needed_chunks(spec: LayerCacheSpec, num_chunks: int, chunk_size: int) -> ran
     return range(start // chunk_size, ceil_div(end, chunk_size)) if start < end else range(0)
 
 
+def servable_chunks(specs: Sequence[LayerCacheSpec], present: Sequence[Sequence[bool]], chunk_size: int) -> int:
+    """The most full chunks after which every group has all it needs, given which of its entries exist.
+
+    ``present[g][i]`` says whether group ``g``'s entry of chunk ``i`` is stored (every group is
+    asked about the same chunks). A recurrent group needs its state where the prefix ends, a
+    sliding one the chunks of its window, so the answer is not simply the first gap.
+    """
+    num_chunks = min((len(row) for row in present), default=0)
+    # stored_before[g][i]: entries of group g present among chunks [0, i).
+    stored_before = []
+    for row in present:
+        counts = [0]
+        for found in row[:num_chunks]:
+            counts.append(counts[-1] + found)
+        stored_before.append(counts)
+    for candidate in range(num_chunks, 0, -1):
+        if all(stored_before[group][needed.stop] - stored_before[group][needed.start] == len(needed)
+               for group, needed in ((group, needed_chunks(spec, candidate, chunk_size))
+                                     for group, spec in enumerate(specs))):
+            return candidate
+    return 0
+
+
 def assemble(groups: Sequence[KVLayerGroupInfo], tensors: Mapping[tuple[int, int], torch.Tensor], num_chunks: int,
              chunk_size: int) -> LoadedPrefix:
     """The prefix of ``num_chunks`` chunks from entries ``(group, chunk) -> tensor`` (every needed one present)."""

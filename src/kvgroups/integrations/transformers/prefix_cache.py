@@ -92,7 +92,7 @@ class PrefixCache:
         self.groups = list(self.metadata.kv_layer_groups_manager.kv_layer_groups)
         by_name = {part.name: part for part in self.parts}
         self.group_parts = [[by_name[name] for name in group.layer_names] for group in self.groups]
-        self.chunk_store = KVChunkStore(self.metadata, store, chunk_size=chunk_size, salt=salt,
+        self.chunk_store = KVChunkStore(self.metadata, store, salt=salt,
                                         max_pending=max_pending)
         # The latest prefill's result (generate() runs one): what it reused and computed.
         self.last_prefill: PrefillResult | None = None

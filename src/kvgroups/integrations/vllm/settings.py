@@ -16,6 +16,7 @@ from typing import Any
 import vllm
 from huggingface_hub import snapshot_download
 
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import KVGroupsError
 
 KNOWN_KEYS = ("store", "chunk_size", "salt")
@@ -56,7 +57,7 @@ class ConnectorSettings:
             problems.append(f"'store' {in_process} lives in one process, but vLLM's scheduler and workers run "
                             f"in different processes: use file:// or redis:// (valkey://)")
         chunk_size = extra.get("chunk_size", DEFAULT_CHUNK_SIZE)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        if not is_int_at_least(chunk_size, 1):
             problems.append(f"'chunk_size' must be an int >= 1, got {chunk_size!r}")
         salt = extra.get("salt", "")
         if not isinstance(salt, str):

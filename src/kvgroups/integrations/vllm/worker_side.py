@@ -92,7 +92,7 @@ class WorkerSide:
             )
         self.engine_groups = list(plan.engine_groups)
         self.transfers = [KVTransfer([group], values) for group in groups]
-        self.store = KVChunkStore(metadata, list(self.deployment.settings.stores), chunk_size=self.chunk_size,
+        self.store = KVChunkStore(metadata, list(self.deployment.settings.stores),
                                   salt=self.deployment.settings.salt)
         # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
         atexit.register(self.close)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, SlidingWindow
+from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.config_fields import ConfigFields, family
 from kvgroups.models.layers import AttentionLayer, CrossAttentionLayer, ModelLayer, NoCacheLayer
@@ -119,7 +120,7 @@ def _tokens_per_image(config: ConfigFields) -> int:
     sizes = {name: vision.get(name, default) for name, default in
              (("image_size", 448), ("patch_size", 14), ("max_num_tiles", 4))}  # transformers' defaults
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int_at_least(value, 1):
             raise ModelConfigError(f"vision_config.{name} must be a positive int, got {value!r}")
     tiles, image, patch = (int(sizes[name]) for name in ("max_num_tiles", "image_size", "patch_size"))
     return tiles * ((image // patch) ** 2 + 1)
