@@ -22,8 +22,7 @@ from kvgroups import (
     RecurrentState,
     SlidingWindow,
 )
-from kvgroups.store import KVChunkStore, MemoryStore, open_store
-from kvgroups.store import health
+from kvgroups.store import KVChunkStore, MemoryStore, health, open_store
 from tests.helpers import meta
 from tests.servers import running_server
 

@@ -20,8 +20,8 @@ from kvgroups.core.layouts import KVLayout
 from kvgroups.datapath.transfer import pack
 from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.engine_groups import check_backends
 from kvgroups.integrations.vllm.settings import ConnectorConfigError, model_identity
-from kvgroups.integrations.vllm.worker_side import check_backends
 from kvgroups.store import FileStore
 from tests.servers import running_server
 from tests.vllm_connector.harness import (
@@ -342,19 +342,19 @@ def test_backends_whose_pages_are_not_checked_are_refused(gemma3_dir: Path, tmp_
         full = Deployment(config, cache_config(["full"]), layout=layout)
         mla = Deployment(config, cache_config(["mla"]), layout=layout)
         names = list(full.plan.layers)
-        check_backends(full, layers(names, "CPU_ATTN", "vec") if layout is KVLayout.VLLM_CPU
+        check_backends(full.plan, layers(names, "CPU_ATTN", "vec") if layout is KVLayout.VLLM_CPU
                        else layers(names, "FLASH_ATTN"))
-        check_backends(mla, layers(names, "FLASHMLA"))
+        check_backends(mla.plan, layers(names, "FLASHMLA"))
         # vLLM's CPU MLA prefill cannot continue from cached context (vLLM turns prefix caching off).
         with pytest.raises(UnsupportedCacheError, match=r"model.layers.0.attn: MLA backend CPU_MLA \(known: "):
-            check_backends(mla, layers(names, "CPU_MLA"))
+            check_backends(mla.plan, layers(names, "CPU_MLA"))
     cpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM_CPU)
     refused = r"backend CPU_ATTN, kernels 'amx' \(checked: CPU_ATTN with vec, vec16\)"
     with pytest.raises(UnsupportedCacheError, match=refused):
-        check_backends(cpu, layers(list(cpu.plan.layers), "CPU_ATTN", "amx"))
+        check_backends(cpu.plan, layers(list(cpu.plan.layers), "CPU_ATTN", "amx"))
     gpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM)
     with pytest.raises(UnsupportedCacheError, match=r"backend ROCM_AITER_FA \(known: FLASHINFER, FLASH_ATTN"):
-        check_backends(gpu, layers(list(gpu.plan.layers), "ROCM_AITER_FA"))
+        check_backends(gpu.plan, layers(list(gpu.plan.layers), "ROCM_AITER_FA"))
 
 
 

@@ -37,6 +37,8 @@ class LayerCacheSpec(Protocol):
     kind: ClassVar[LayerKind]
     # True: addressed by token slots; False: one fixed-size state per sequence, moved by state slot.
     token_indexed: ClassVar[bool]
+    # True: a sequence's cache keeps every one of its tokens (full attention, MLA latents).
+    keeps_every_token: ClassVar[bool]
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -94,6 +96,7 @@ class _TokenCache:
     """What every token-indexed kind shares: one slot per token, nothing per sequence."""
 
     token_indexed: ClassVar[bool] = True
+    keeps_every_token: ClassVar[bool] = False
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -122,6 +125,7 @@ class FullAttention(_TokenCache):
     """Keys and values of every token of the sequence."""
 
     kind: ClassVar[LayerKind] = LayerKind.FULL_ATTENTION
+    keeps_every_token: ClassVar[bool] = True
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return context_tokens
@@ -193,6 +197,7 @@ class MLAttention(_TokenCache):
     """One compressed latent (plus its rope part) per token, shared by keys and values."""
 
     kind: ClassVar[LayerKind] = LayerKind.MLA
+    keeps_every_token: ClassVar[bool] = True
 
     def accepts_layout(self, layout: KVLayout) -> bool:
         return layout is KVLayout.MLA
@@ -219,6 +224,7 @@ class RecurrentState:
 
     kind: ClassVar[LayerKind] = LayerKind.RECURRENT
     token_indexed: ClassVar[bool] = False
+    keeps_every_token: ClassVar[bool] = False
     state_shapes: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:

@@ -103,6 +103,36 @@ class LMCacheMetadata:
         # use_mla must agree with the groups: now, and whenever groups are built or replaced.
         self.kv_layer_groups_manager.add_check(self._check_use_mla)
 
+    @classmethod
+    def for_groups(
+        cls, groups: Sequence[KVLayerGroupInfo], *, model_name: str, chunk_size: int, world_size: int = 1,
+        worker_id: int = 0, kv_dtype: torch.dtype | None = None, role: str | None = None,
+        engine_id: str | None = None,
+    ) -> LMCacheMetadata:
+        """The metadata of one rank whose layers are ``groups`` (built already, in layer order).
+
+        The legacy single-shape fields are derived from the groups: ``use_mla`` when any group
+        holds MLA latents, ``kv_shape`` from the first group (one head of its state for a
+        recurrent group), ``kv_dtype`` from the first token-indexed group unless given (an
+        engine asked for a KV dtype names it even for a model of states only).
+        """
+        groups = list(groups)
+        if not groups:
+            raise KVGroupsError("LMCacheMetadata.for_groups needs at least one group")
+        use_mla = any(group.layout is KVLayout.MLA for group in groups)
+        token_groups = [group for group in groups if group.token_indexed]
+        first = groups[0]
+        kv_shape = (sum(group.num_layers for group in groups), 1 if use_mla else 2, chunk_size,
+                    1 if use_mla else first.num_heads, first.head_size)
+        manager = KVLayerGroupsManager()
+        metadata = cls(
+            model_name=model_name, world_size=world_size, local_world_size=world_size, worker_id=worker_id,
+            local_worker_id=worker_id, kv_dtype=kv_dtype or (token_groups or groups)[0].dtype, kv_shape=kv_shape,
+            use_mla=use_mla, role=role, chunk_size=chunk_size, kv_layer_groups_manager=manager, engine_id=engine_id,
+        )
+        manager.kv_layer_groups = groups
+        return metadata
+
     def is_first_rank(self) -> bool:
         return self.worker_id == self.first_rank
 

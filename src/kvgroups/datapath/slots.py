@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 _ARANGE: dict[int, torch.Tensor] = {}
@@ -76,3 +77,14 @@ class CallSlots:
         if plan is None:
             plan = self._plans[block_size] = plan_tokens(self.slots, self.cpu_slots, block_size)
         return plan
+
+
+def paged_slots(positions: np.ndarray, block_ids: np.ndarray, block_size: int) -> np.ndarray:
+    """The slots (``block_id * block_size + offset``, vLLM's convention) of token ``positions`` of a
+    sequence whose blocks are ``block_ids``; -1 where no block holds the token (past the table, or
+    the null block 0 that engines leave where a window has moved on)."""
+    index = positions // block_size
+    inside = index < block_ids.size
+    blocks = np.zeros(positions.shape, dtype=np.int64)
+    blocks[inside] = block_ids[index[inside]]
+    return np.where(blocks > 0, blocks * block_size + positions % block_size, -1)

@@ -23,6 +23,7 @@ import torch
 from kvgroups.core.cache_specs import LayerCacheSpec, RecurrentState
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
+from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.core.sizes import GIB, ceil_div
 from kvgroups.errors import KVGroupsError
@@ -240,16 +241,10 @@ def build_rank(spec: ModelSpec, model_name: str, params: EngineParams) -> RankBu
     values = {plan.name: _layer_value(plan, num_blocks) for plan in plans}
     specs = {plan.name: plan.cache.spec for plan in plans}
     layouts = {plan.name: plan.layout for plan in plans if plan.cache.spec.token_indexed}
-    use_mla = any(layout is KVLayout.MLA for layout in layouts.values())
-    first = plans[0].cache
-    kv_shape = (len(values), 1 if use_mla else 2, params.chunk_size, 1 if use_mla else first.num_kv_heads,
-                first.head_size)
-    metadata = LMCacheMetadata(
-        model_name=model_name, world_size=params.tp, local_world_size=params.tp, worker_id=params.rank,
-        local_worker_id=params.rank, kv_dtype=dtypes.kv, kv_shape=kv_shape, use_mla=use_mla,
-        chunk_size=params.chunk_size,
-    )
-    metadata.kv_layer_groups_manager.build_kv_layer_groups(values, specs, layout=layouts)
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups(values, specs, layout=layouts)
+    metadata = LMCacheMetadata.for_groups(manager.kv_layer_groups, model_name=model_name, chunk_size=params.chunk_size,
+                                          world_size=params.tp, worker_id=params.rank, kv_dtype=dtypes.kv)
     return RankBuild(
         metadata=metadata,
         model_layer_of={plan.name: plan.model_layer for plan in plans},

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvgroups.core.cache_specs import LayerCacheSpec
@@ -30,6 +31,12 @@ class GroupPrefix:
     group_index: int
     first_token: int
     tensor: torch.Tensor
+
+    def rows(self, positions: np.ndarray) -> torch.Tensor:
+        """The stored rows of the tokens at ``positions`` (each at least ``first_token``), as a new
+        contiguous ``[kv_size, num_layers, len(positions), hidden_dim_size]`` tensor."""
+        columns = torch.from_numpy(np.asarray(positions, dtype=np.int64) - self.first_token)
+        return self.tensor.index_select(2, columns.to(self.tensor.device))
 
 
 @dataclass(frozen=True)

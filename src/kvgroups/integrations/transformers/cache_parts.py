@@ -13,11 +13,12 @@ handle like any engine's:
   a ``RecurrentState`` part ``[1, *shape]``, kept exactly as transformers holds it (conv states
   keep all ``kernel`` columns: trimming to ``kernel - 1`` is not right for every model).
 
-Which tokens a part holds, and how a part is put back into a fresh layer, is decided here once.
+Which tensors a part is in a cache, and how a part is put back into a fresh layer, is decided here once.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,27 +37,38 @@ from kvgroups.core.layouts import KVLayout
 from kvgroups.errors import UnsupportedCacheError
 
 
+class PartRole(enum.Enum):
+    """Which tensors of a transformers cache layer a part is."""
+
+    KV = "kv"  # keys and values of one width: a (k, v) pair
+    KEYS = "keys"  # MLA: the compressed latent (keys of their own width)
+    VALUES = "values"  # MLA: the rotated rope key, kept as the layer's values
+    INDEXER = "indexer"  # a sparse-attention indexer's keys
+    CONV = "conv"  # conv state ``state_index`` of a linear-attention layer
+    STATE = "state"  # recurrent state ``state_index`` of a linear-attention layer
+
+
 @dataclass(frozen=True)
 class Part:
     """One kvgroups layer cache read from transformers cache layer ``layer_index``.
 
-    ``role`` is ``kv`` (a K/V pair), ``keys`` / ``values`` (MLA latents), ``indexer``, or
-    ``conv{j}`` / ``state{j}`` (state ``j`` of a linear-attention layer). ``kept_tokens`` is how
-    many tokens a sliding layer holds (None: every token); ``shape`` the per-token row shape for
-    token parts, the state shape for recurrent parts.
+    ``shape`` is the per-token row shape for token parts (``(heads, head_dim)`` for a K/V pair,
+    ``(1, width)`` for a latent), the state shape for recurrent parts. ``state_index`` tells the
+    states of one linear-attention layer apart.
     """
 
     layer_index: int
-    role: str
+    role: PartRole
     spec: LayerCacheSpec
     layout: KVLayout | None
     dtype: torch.dtype
     shape: tuple[int, ...]
-    kept_tokens: int | None = None
+    state_index: int = 0
 
     @property
     def name(self) -> str:
-        return f"layers.{self.layer_index}.{self.role}"
+        suffix = str(self.state_index) if self.role in (PartRole.CONV, PartRole.STATE) else ""
+        return f"layers.{self.layer_index}.{self.role.value}{suffix}"
 
     @property
     def token_indexed(self) -> bool:
@@ -68,30 +80,43 @@ def _attention_parts(index: int, layer: Any) -> list[Part]:
     if keys is None or keys.dim() != 4 or keys.shape[0] != 1:
         raise UnsupportedCacheError(f"cache layer {index} ({type(layer).__name__}) holds keys of shape "
                                     f"{None if keys is None else list(keys.shape)}; expected [1, heads, seq, dim]")
-    kept = None
-    spec: LayerCacheSpec = FullAttention()
-    if isinstance(layer, DynamicSlidingWindowLayer):
-        kept = int(layer.sliding_window) - 1  # transformers keeps the window less the token being computed
-        spec = SlidingWindow(window_tokens=kept)
+    sliding = isinstance(layer, DynamicSlidingWindowLayer)
+    # transformers keeps the window less the token being computed.
+    spec: LayerCacheSpec = SlidingWindow(window_tokens=int(layer.sliding_window) - 1) if sliding else FullAttention()
     if keys.shape[1] == values.shape[1] and keys.shape[3] == values.shape[3] and keys.dtype == values.dtype:
-        return [Part(index, "kv", spec, KVLayout.KV_SPLIT_HND, keys.dtype, (keys.shape[1], keys.shape[3]), kept)]
-    if keys.shape[1] != 1 or values.shape[1] != 1 or kept is not None:
+        return [Part(index, PartRole.KV, spec, KVLayout.KV_SPLIT_HND, keys.dtype, (keys.shape[1], keys.shape[3]))]
+    if keys.shape[1] != 1 or values.shape[1] != 1 or sliding:
         raise UnsupportedCacheError(
             f"cache layer {index} holds keys {list(keys.shape)} and values {list(values.shape)} of different "
             f"widths with several heads or a window; only single-head latents (MLA) are supported"
         )
-    return [Part(index, "keys", MLAttention(), KVLayout.MLA, keys.dtype, (1, keys.shape[3])),
-            Part(index, "values", MLAttention(), KVLayout.MLA, values.dtype, (1, values.shape[3]))]
+    return [Part(index, PartRole.KEYS, MLAttention(), KVLayout.MLA, keys.dtype, (1, keys.shape[3])),
+            Part(index, PartRole.VALUES, MLAttention(), KVLayout.MLA, values.dtype, (1, values.shape[3]))]
 
 
-def describe(cache: Any) -> list[Part]:
+def _state_parts(index: int, layer: Any) -> list[Part]:
+    if layer.record_past:
+        raise UnsupportedCacheError(f"cache layer {index} records past states (speculative decoding)")
+    parts = []
+    for state in range(layer.number_of_states):
+        for role, tensors in ((PartRole.CONV, layer.conv_states), (PartRole.STATE, layer.recurrent_states)):
+            tensor = tensors[state]
+            if tensor is None:
+                continue
+            if tensor.shape[0] != 1:
+                raise UnsupportedCacheError(f"cache layer {index} holds a state of batch {tensor.shape[0]}")
+            shape = tuple(int(dim) for dim in tensor.shape[1:])
+            parts.append(Part(index, role, RecurrentState(state_shapes=(shape,)), None, tensor.dtype, shape, state))
+    return parts
+
+
+def read_parts(cache: Any) -> list[Part]:
     """The parts of a cache after at least one forward (so every layer holds tensors)."""
     parts: list[Part] = []
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, DummyLayer):
             continue
-        known = isinstance(layer, (CacheLayerMixin, LinearAttentionCacheLayerMixin))
-        if not known:
+        if not isinstance(layer, (CacheLayerMixin, LinearAttentionCacheLayerMixin)):
             raise UnsupportedCacheError(f"cache layer {index} is a {type(layer).__name__}, which kvgroups cannot store")
         if isinstance(layer, CacheLayerMixin):
             parts += _attention_parts(index, layer)
@@ -100,19 +125,10 @@ def describe(cache: Any) -> list[Part]:
             if getattr(layer, "indexer_position_ids", None) is not None:
                 raise UnsupportedCacheError(f"cache layer {index} keeps indexer position ids, which kvgroups "
                                             f"cannot store")
-            parts.append(Part(index, "indexer", MLAttention(), KVLayout.MLA, indexer.dtype, (1, indexer.shape[-1])))
+            parts.append(Part(index, PartRole.INDEXER, MLAttention(), KVLayout.MLA, indexer.dtype,
+                              (1, indexer.shape[-1])))
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            if layer.record_past:
-                raise UnsupportedCacheError(f"cache layer {index} records past states (speculative decoding)")
-            for state in range(layer.number_of_states):
-                for role, tensors in ((f"conv{state}", layer.conv_states), (f"state{state}", layer.recurrent_states)):
-                    tensor = tensors[state]
-                    if tensor is None:
-                        continue
-                    if tensor.shape[0] != 1:
-                        raise UnsupportedCacheError(f"cache layer {index} holds a state of batch {tensor.shape[0]}")
-                    shape = tuple(int(dim) for dim in tensor.shape[1:])
-                    parts.append(Part(index, role, RecurrentState(state_shapes=(shape,)), None, tensor.dtype, shape))
+            parts += _state_parts(index, layer)
     if not parts:
         raise UnsupportedCacheError("the model's cache holds nothing to store")
     return parts
@@ -121,21 +137,22 @@ def describe(cache: Any) -> list[Part]:
 def current_value(part: Part, cache: Any) -> Any:
     """The part's tensors in ``cache``, as the kvgroups layer cache (views, never copies)."""
     layer = cache.layers[part.layer_index]
-    if part.role == "kv":
+    if part.role is PartRole.KV:
         return (layer.keys, layer.values)
-    if part.role in ("keys", "values"):
-        return getattr(layer, part.role)[0]  # [1, 1, seq, width] -> [num_blocks=1, seq, width]
-    if part.role == "indexer":
+    if part.role is PartRole.KEYS:
+        return layer.keys[0]  # [1, 1, seq, width] -> [num_blocks=1, seq, width]
+    if part.role is PartRole.VALUES:
+        return layer.values[0]
+    if part.role is PartRole.INDEXER:
         return layer.indexer_keys
-    state = int(part.role[4:]) if part.role.startswith("conv") else int(part.role[5:])
-    return (layer.conv_states if part.role.startswith("conv") else layer.recurrent_states)[state]
+    return (layer.conv_states if part.role is PartRole.CONV else layer.recurrent_states)[part.state_index]
 
 
 def empty_value(part: Part, num_tokens: int, device: torch.device) -> Any:
     """Fresh tensors for a part holding ``num_tokens`` tokens (or one state), to unpack into."""
     if not part.token_indexed:
         return torch.empty((1, *part.shape), dtype=part.dtype, device=device)
-    if part.role == "kv":
+    if part.role is PartRole.KV:
         heads, head_dim = part.shape
         return tuple(torch.empty(1, heads, num_tokens, head_dim, dtype=part.dtype, device=device) for _ in range(2))
     return torch.empty(1, num_tokens, part.shape[1], dtype=part.dtype, device=device)
@@ -143,27 +160,27 @@ def empty_value(part: Part, num_tokens: int, device: torch.device) -> Any:
 
 def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, boundary: int) -> None:
     """Put restored part values into a fresh cache, as if ``boundary`` tokens had been computed."""
-    by_layer: dict[int, dict[str, Any]] = {}
+    by_layer: dict[int, list[Part]] = {}
     for part in parts:
-        by_layer.setdefault(part.layer_index, {})[part.role] = values[part.name]
-    for index, roles in by_layer.items():
+        by_layer.setdefault(part.layer_index, []).append(part)
+    for index, layer_parts in by_layer.items():
         layer = cache.layers[index]
-        if "kv" in roles:
-            layer.update(*roles["kv"])
-        if "keys" in roles:
-            layer.update(roles["keys"].unsqueeze(0), roles["values"].unsqueeze(0))
+        by_role = {part.role: values[part.name] for part in layer_parts if part.token_indexed}
+        if PartRole.KV in by_role:
+            layer.update(*by_role[PartRole.KV])
+        if PartRole.KEYS in by_role:
+            layer.update(by_role[PartRole.KEYS].unsqueeze(0), by_role[PartRole.VALUES].unsqueeze(0))
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length = boundary  # update() counted only the tokens restored
-        if "indexer" in roles:
-            layer.update_indexer(roles["indexer"])
+        if PartRole.INDEXER in by_role:
+            layer.update_indexer(by_role[PartRole.INDEXER])
         # Conv states first: the first update_conv_state of a fresh layer takes them as a prefill's
         # (and marks the state as present); marking it present before would make it append instead.
-        for role, tensor in roles.items():
-            if role.startswith("conv"):
-                state = int(role[4:])
-                layer.update_conv_state(tensor, state_idx=state, conv_kernel_size=tensor.shape[-1])
-        for role, tensor in roles.items():
-            if role.startswith("state"):
-                state = int(role[5:])
-                layer.update_recurrent_state(tensor, state_idx=state)
-                layer.has_previous_state[state] = True
+        for part in layer_parts:
+            if part.role is PartRole.CONV:
+                tensor = values[part.name]
+                layer.update_conv_state(tensor, state_idx=part.state_index, conv_kernel_size=tensor.shape[-1])
+        for part in layer_parts:
+            if part.role is PartRole.STATE:
+                layer.update_recurrent_state(values[part.name], state_idx=part.state_index)
+                layer.has_previous_state[part.state_index] = True

@@ -3,8 +3,8 @@
 Reuse is offered only for model types whose continuation from a restored cache was checked to
 equal recomputing (the test suite builds a tiny random-weight model of each and compares logits
 and greedy tokens); known failures are refused with the reason, anything else is refused as
-unchecked. A model's identity in the store binds its name, the transformers version (which
-decides what a cache holds) and a digest of its weights, so that two models that share a config
+unchecked. A model's identity in the store binds its name, a digest of its weights and the
+transformers version (which decides what a cache holds), so that two models that share a config
 but not their weights never share entries.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import transformers
-import xxhash
 
 from kvgroups.errors import KVGroupsError
+from kvgroups.store.identity import model_identity as identity
+from kvgroups.store.identity import tensors_digest
 
 # Checked with transformers 5.24 (tests/test_transformers_reuse.py builds each of them).
 VERIFIED_MODEL_TYPES = frozenset({
@@ -41,9 +41,6 @@ REFUSED_MODEL_TYPES = {
     "reformer": "it keeps its state in a cache class of its own",
 }
 
-_SAMPLE_BYTES = 4096
-
-
 class UnsupportedModelError(KVGroupsError):
     """A model whose restored caches would not continue exactly as recomputing."""
 
@@ -66,27 +63,9 @@ def check_supported(model: Any) -> None:
         )
 
 
-def weights_digest(model: Any) -> str:
-    """xxh3-64 over every parameter's and buffer's name, shape, dtype and first and last 4 KiB.
-
-    Cheap (a few MiB read whatever the model's size) and different for fine-tunes, whose weights
-    change throughout; models that differ only in the middle of a tensor need different salts.
-    """
-    digest = xxhash.xxh3_64()
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        digest.update(f"{name}:{list(tensor.shape)}:{tensor.dtype};".encode())
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == 0:
-            continue
-        count = max(1, _SAMPLE_BYTES // flat.element_size())
-        for piece in (flat[:count], flat[-count:]):
-            digest.update(piece.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def model_identity(model: Any) -> str:
-    """The name a model's chunks are stored under: its name or path, the transformers version, its weights."""
+    """The name a model's chunks are stored under (:mod:`kvgroups.store.identity`'s format): its name
+    or path, :func:`~kvgroups.store.identity.tensors_digest` of its weights, the transformers version."""
     name = getattr(model.config, "_name_or_path", "") or model_type_of(model)
-    major_minor = ".".join(transformers.__version__.split(".")[:2])
-    return f"{name}|transformers-{major_minor}|weights-{weights_digest(model)}"
+    weights = tensors_digest([*model.named_parameters(), *model.named_buffers()])
+    return identity(name, f"weights-{weights}", "transformers", transformers.__version__)

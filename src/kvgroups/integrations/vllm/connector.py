@@ -23,10 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.engine_groups import check_backends
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from kvgroups.integrations.vllm.scheduler_side import SchedulerSide
 from kvgroups.integrations.vllm.settings import ConnectorConfigError
-from kvgroups.integrations.vllm.worker_side import WorkerSide, check_backends
+from kvgroups.integrations.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker_side()
-        check_backends(self.deployment, self._vllm_config.compilation_config.static_forward_context)
+        check_backends(self.deployment.plan, self._vllm_config.compilation_config.static_forward_context)
         worker.register(kv_caches)
 
     def _plans(self) -> KVGroupsConnectorMetadata | None:

@@ -7,15 +7,12 @@ sides build it from the same ``VllmConfig`` and ``KVCacheConfig``, so their keys
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import numpy as np
 from vllm.platforms import current_platform
 
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import KVLayout
-from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.vllm.engine_groups import EnginePlan, engine_layout
@@ -43,7 +40,8 @@ class Deployment:
         )
         self.identity = model_identity(vllm_config)
         self.engine_id = transfer.engine_id
-        self.groups = self.plan.build_groups(self.plan.meta_values(int(kv_cache_config.num_blocks)))
+        # The groups every rank must register (the worker checks), and each vLLM group's members among them.
+        self.groups, self.engine_groups = self.plan.build_groups(self.plan.meta_values(int(kv_cache_config.num_blocks)))
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
         # A recurrent group is served only where its state has one block per request, updated in
@@ -57,46 +55,6 @@ class Deployment:
 
     def metadata(self, rank: int, groups: list[KVLayerGroupInfo], role: str) -> LMCacheMetadata:
         """The metadata of rank ``rank`` with ``groups`` (from :attr:`groups`, or from registered tensors)."""
-        token_groups = [group for group in groups if group.token_indexed]
-        first = token_groups[0] if token_groups else groups[0]
-        use_mla = any(group.layout is KVLayout.MLA for group in groups)
-        manager = KVLayerGroupsManager()
-        metadata = LMCacheMetadata(
-            model_name=self.identity, world_size=self.world_size, local_world_size=self.world_size,
-            worker_id=rank, local_worker_id=rank, kv_dtype=first.dtype,
-            kv_shape=(len(self.plan.layers), 1 if use_mla else 2, self.settings.chunk_size,
-                      first.num_heads if token_groups else 1, first.head_size if token_groups else 1),
-            use_mla=use_mla, role=role, chunk_size=self.settings.chunk_size, kv_layer_groups_manager=manager,
-            engine_id=self.engine_id,
-        )
-        manager.kv_layer_groups = list(groups)
-        return metadata
-
-
-def request_salt(request: Any) -> str | None:
-    """What, besides its tokens, decides a request's KV: cache salt, LoRA adapter, multimodal inputs.
-
-    None for a request whose tokens do not say what it computes (prompt embeddings).
-    """
-    if getattr(request, "prompt_embeds", None) is not None:
-        return None
-    parts: dict[str, Any] = {}
-    if getattr(request, "cache_salt", None):
-        parts["cache_salt"] = request.cache_salt
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts["lora"] = [getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)]
-    features = getattr(request, "mm_features", None) or []
-    if features:
-        parts["mm"] = [[feature.identifier, feature.mm_position.offset, feature.mm_position.length]
-                       for feature in features]
-    return json.dumps(parts, sort_keys=True) if parts else ""
-
-
-def token_bytes(token_ids: Any) -> bytes:
-    """Token ids as little-endian uint32 bytes, the form plans carry them in."""
-    return np.asarray(token_ids, dtype="<u4").tobytes()
-
-
-def tokens_of(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<u4")
+        return LMCacheMetadata.for_groups(groups, model_name=self.identity, chunk_size=self.settings.chunk_size,
+                                          world_size=self.world_size, worker_id=rank, role=role,
+                                          engine_id=self.engine_id)

@@ -119,7 +119,8 @@ class EngineGroup:
     index: int
     block_size: int  # tokens per block id, as the scheduler counts them
     layer_names: tuple[str, ...]
-    members: tuple[int, ...]  # positions of its kvgroups groups in the plan's group list
+    # Positions of its kvgroups groups in the deployment's group list; set by EnginePlan.build_groups.
+    members: tuple[int, ...]
     token_indexed: bool
     state_mode: str | None  # mamba_cache_mode of a recurrent group
 
@@ -219,14 +220,15 @@ class EnginePlan:
                 state_mode=None if token_indexed else str(getattr(spec, "mamba_cache_mode", "none")),
             ))
 
-    def build_groups(self, values: Mapping[str, Any]) -> list[KVLayerGroupInfo]:
-        """kvgroups groups of ``values`` (layer name -> value), within each vLLM group; sets members."""
+    def build_groups(self, values: Mapping[str, Any]) -> tuple[list[KVLayerGroupInfo], list[EngineGroup]]:
+        """kvgroups groups of ``values`` (layer name -> value), within each vLLM group, and the vLLM
+        groups with their ``members`` (positions of their kvgroups groups in the list) set."""
         groups: list[KVLayerGroupInfo] = []
-        rebuilt = []
+        engine_groups = []
         for engine_group in self.engine_groups:
             names = engine_group.layer_names
             if not names:
-                rebuilt.append(engine_group)
+                engine_groups.append(engine_group)
                 continue
             manager = KVLayerGroupsManager()
             manager.build_kv_layer_groups(
@@ -240,11 +242,44 @@ class EnginePlan:
                     list(group.layer_names), [self.layer_index[name] for name in group.layer_names],
                     group.shape, group.dtype, group.layout, group.spec,
                 ))
-            rebuilt.append(replace(engine_group, members=tuple(range(first, len(groups)))))
-        self.engine_groups = rebuilt
-        return groups
+            engine_groups.append(replace(engine_group, members=tuple(range(first, len(groups)))))
+        return groups, engine_groups
 
     def meta_values(self, num_blocks: int) -> dict[str, Any]:
         """Every layer's value as ``meta`` tensors of the shapes vLLM allocates."""
         block_sizes = {name: group.block_size for group in self.engine_groups for name in group.layer_names}
         return {name: plan.meta_value(num_blocks, block_sizes[name]) for name, plan in self.layers.items()}
+
+
+# Attention backends whose pages hold, per (block, head, token), the K row then the V row
+# (layout VLLM), read from their sources; MLA backends keep one latent row per token.
+GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
+MLA_BACKENDS = frozenset({"FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
+# The CPU backend's kernel families whose page layout (layout VLLM_CPU) was checked, by reading
+# back what vLLM's cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a
+# multiple of 16 but not 32); others pack pages their own way (amx, checked) or are unchecked
+# (neon, vsx, vxe, rvv).
+CPU_ISAS = frozenset({"vec", "vec16"})
+
+
+def check_backends(plan: EnginePlan, forward_context: Mapping[str, Any]) -> None:
+    """Raise unless every attention layer's backend (in vLLM's ``static_forward_context``) lays its
+    pages out as the plan's layout says."""
+    problems = []
+    for name, layer_plan in plan.layers.items():
+        if not layer_plan.token_indexed:
+            continue
+        layer = forward_context.get(name)
+        backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
+        if layer_plan.layout is KVLayout.VLLM_CPU:
+            isa = getattr(layer, "isa", None)
+            if backend != "CPU_ATTN" or isa not in CPU_ISAS:
+                problems.append(f"{name}: backend {backend}, kernels {isa!r} (checked: CPU_ATTN with "
+                                f"{', '.join(sorted(CPU_ISAS))})")
+        elif layer_plan.layout is KVLayout.MLA:
+            if backend not in MLA_BACKENDS:
+                problems.append(f"{name}: MLA backend {backend} (known: {', '.join(sorted(MLA_BACKENDS))})")
+        elif backend not in GPU_BACKENDS:
+            problems.append(f"{name}: backend {backend} (known: {', '.join(sorted(GPU_BACKENDS))})")
+    if problems:
+        raise UnsupportedCacheError("KVGroupsConnector does not know the page layout of: " + "; ".join(problems[:4]))

@@ -1,14 +1,18 @@
 """What the scheduler side tells the workers each step: which requests to load, which chunks to save.
 
 The plans travel inside vLLM's ``SchedulerOutput`` to every worker; each worker computes its own
-rank's keys from the tokens, so a plan carries tokens (as little-endian uint32 bytes) and the
-request's salt, never keys. Block ids are vLLM's, one list per KV-cache group, as of this step.
+rank's keys from the tokens, so a plan carries tokens (as little-endian uint32 bytes,
+:func:`token_bytes`) and the request's salt (:func:`request_salt`), never keys. Block ids are
+vLLM's, one list per KV-cache group, as of this step.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
@@ -27,6 +31,10 @@ class LoadPlan:
     local_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
 
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.token_bytes, dtype="<u4")
+
 
 @dataclass(frozen=True)
 class SavePlan:
@@ -44,8 +52,37 @@ class SavePlan:
     step_end: int
     block_ids: tuple[tuple[int, ...], ...]
 
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.token_bytes, dtype="<u4")
+
 
 @dataclass
 class KVGroupsConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+
+
+def request_salt(request: Any) -> str | None:
+    """What, besides its tokens, decides a request's KV: cache salt, LoRA adapter, multimodal inputs.
+
+    None for a request whose tokens do not say what it computes (prompt embeddings).
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    parts: dict[str, Any] = {}
+    if getattr(request, "cache_salt", None):
+        parts["cache_salt"] = request.cache_salt
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts["lora"] = [getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)]
+    features = getattr(request, "mm_features", None) or []
+    if features:
+        parts["mm"] = [[feature.identifier, feature.mm_position.offset, feature.mm_position.length]
+                       for feature in features]
+    return json.dumps(parts, sort_keys=True) if parts else ""
+
+
+def token_bytes(token_ids: Any) -> bytes:
+    """Token ids as little-endian uint32 bytes, the form plans carry them in."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()

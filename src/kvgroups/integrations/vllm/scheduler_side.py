@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvgroups.integrations.vllm.deployment import Deployment, request_salt, token_bytes
-from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
+from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.urls import open_store
 
@@ -40,7 +40,7 @@ def request_options(request: Any) -> tuple[bool, bool]:
 
 
 @dataclass
-class _Tracked:
+class _RequestState:
     request: Any
     tokens: np.ndarray  # prompt token ids, uint32
     salt: str
@@ -64,7 +64,7 @@ class SchedulerSide:
                          salt=deployment.settings.salt)
             for rank in range(deployment.world_size)
         ]
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, _RequestState] = {}
         self._kv_cache_manager: Any = None
         if deployment.unservable:
             logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
@@ -73,36 +73,36 @@ class SchedulerSide:
         self._kv_cache_manager = kv_cache_manager
 
     # --- lookups ----------------------------------------------------------------------------
-    def _track(self, request: Any) -> _Tracked | None:
-        tracked = self._requests.get(request.request_id)
-        if tracked is None:
+    def _state_of(self, request: Any) -> _RequestState | None:
+        state = self._requests.get(request.request_id)
+        if state is None:
             salt = request_salt(request)
             if salt is None:
                 return None
             may_load, may_save = request_options(request)
-            tracked = _Tracked(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
+            state = _RequestState(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
                                may_load=may_load, may_save=may_save)
-            self._requests[request.request_id] = tracked
-        return tracked
+            self._requests[request.request_id] = state
+        return state
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` the store serves (loaded before the next forward)."""
-        tracked = self._track(request)
-        if tracked is None or not tracked.may_load or not self.deployment.is_consumer or self.deployment.unservable:
+        state = self._state_of(request)
+        if state is None or not state.may_load or not self.deployment.is_consumer or self.deployment.unservable:
             return 0, False
-        usable = (len(tracked.tokens) - 1) // self.chunk_size * self.chunk_size
+        usable = (len(state.tokens) - 1) // self.chunk_size * self.chunk_size
         if usable <= num_computed_tokens:
             return 0, False
-        if tracked.hit_tokens is None:
-            tracked.hit_tokens = self._verified_hit(tracked, usable)
+        if state.hit_tokens is None:
+            state.hit_tokens = self._verified_hit(state, usable)
             logger.debug("request %s: store serves %d of %d prompt tokens", request.request_id,
-                         tracked.hit_tokens, len(tracked.tokens))
-        tracked.queried_local = num_computed_tokens
-        return max(0, tracked.hit_tokens - num_computed_tokens), False
+                         state.hit_tokens, len(state.tokens))
+        state.queried_local = num_computed_tokens
+        return max(0, state.hit_tokens - num_computed_tokens), False
 
-    def _verified_hit(self, tracked: _Tracked, usable: int) -> int:
-        tokens = tracked.tokens[:usable]
-        keys = [store.keys(tokens, request_salt=tracked.salt) for store in self.rank_stores]
+    def _verified_hit(self, state: _RequestState, usable: int) -> int:
+        tokens = state.tokens[:usable]
+        keys = [store.keys(tokens, request_salt=state.salt) for store in self.rank_stores]
         boundary = min(store.lookup(None, keys=rank_keys) for store, rank_keys in zip(self.rank_stores, keys,
                                                                                       strict=True))
         # Every rank must read back whole at one boundary; a rank that reads less moves it down.
@@ -115,44 +115,44 @@ class SchedulerSide:
         return boundary
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        tracked = self._requests.get(request.request_id)
-        if tracked is None or num_external_tokens <= 0:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
             return
-        tracked.load = (tracked.queried_local + num_external_tokens, tracked.queried_local)
+        state.load = (state.queried_local + num_external_tokens, state.queried_local)
 
     # --- plans ------------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> KVGroupsConnectorMetadata:
         metadata = KVGroupsConnectorMetadata()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            tracked = self._requests.get(request_id)
-            if tracked is None:
+            state = self._requests.get(request_id)
+            if state is None:
                 continue
             # Called before the scheduler advances num_computed_tokens: this step starts here.
-            start = int(tracked.request.num_computed_tokens)
+            start = int(state.request.num_computed_tokens)
             block_ids: tuple[tuple[int, ...], ...] | None = None
-            if tracked.load is not None:
-                num_tokens, local_tokens = tracked.load
-                tracked.load = None
+            if state.load is not None:
+                num_tokens, local_tokens = state.load
+                state.load = None
                 block_ids = self._block_ids(request_id)
                 metadata.loads.append(LoadPlan(
-                    request_id=request_id, token_bytes=token_bytes(tracked.tokens[:num_tokens]),
-                    request_salt=tracked.salt, num_tokens=num_tokens, local_tokens=local_tokens,
+                    request_id=request_id, token_bytes=token_bytes(state.tokens[:num_tokens]),
+                    request_salt=state.salt, num_tokens=num_tokens, local_tokens=local_tokens,
                     block_ids=block_ids,
                 ))
-            if not self.deployment.is_producer or not tracked.may_save:
+            if not self.deployment.is_producer or not state.may_save:
                 continue
-            end = min(start + int(num_scheduled), len(tracked.tokens))
+            end = min(start + int(num_scheduled), len(state.tokens))
             chunks = tuple(
                 chunk for chunk in range(start // self.chunk_size, end // self.chunk_size)
-                if chunk not in tracked.planned
+                if chunk not in state.planned
             )
             if not chunks:
                 continue
-            tracked.planned.update(chunks)
+            state.planned.update(chunks)
             metadata.saves.append(SavePlan(
                 request_id=request_id,
-                token_bytes=token_bytes(tracked.tokens[: (chunks[-1] + 1) * self.chunk_size]),
-                request_salt=tracked.salt, chunks=chunks, step_end=start + int(num_scheduled),
+                token_bytes=token_bytes(state.tokens[: (chunks[-1] + 1) * self.chunk_size]),
+                request_salt=state.salt, chunks=chunks, step_end=start + int(num_scheduled),
                 block_ids=block_ids or self._block_ids(request_id),
             ))
         return metadata

@@ -7,7 +7,6 @@ group's block size), and the tenant salt that keeps this deployment's keys apart
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,16 +17,11 @@ from huggingface_hub import snapshot_download
 
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import KVGroupsError
+from kvgroups.store.identity import files_digest
+from kvgroups.store.identity import model_identity as identity
 
 KNOWN_KEYS = ("store", "chunk_size", "salt")
 DEFAULT_CHUNK_SIZE = 256
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-# A weight file stands for itself by its size and this many evenly spaced samples of its bytes:
-# reading whole files would take minutes for a large model, while a fine-tune changes nearly
-# every block (so a sample sees it) and a copy on another node has the same bytes (so its engines
-# share chunks; names, paths and modification times would keep them apart).
-_SAMPLES_PER_FILE = 16
-_SAMPLE_BYTES = 4096
 
 
 class ConnectorConfigError(KVGroupsError):
@@ -77,28 +71,6 @@ class ConnectorSettings:
             )
 
 
-def _weights_digest(directory: str) -> str:
-    """SHA-256 of config.json and of every weight file's relative name, size and sampled bytes."""
-    digest = hashlib.sha256()
-    for root, dirs, files in os.walk(directory):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            relative = os.path.relpath(path, directory)
-            if name == "config.json":
-                with open(path, "rb") as handle:
-                    digest.update(b"config:" + handle.read())
-            elif name.endswith(_WEIGHT_SUFFIXES):
-                size = os.path.getsize(path)
-                digest.update(f"{relative}:{size}:".encode())
-                last = max(size - _SAMPLE_BYTES, 0)
-                with open(path, "rb") as handle:
-                    for sample in range(_SAMPLES_PER_FILE):
-                        handle.seek(last * sample // (_SAMPLES_PER_FILE - 1))
-                        digest.update(handle.read(_SAMPLE_BYTES))
-    return digest.hexdigest()[:32]
-
-
 def _hub_snapshot(name: str, revision: str | None) -> str | None:
     """The commit a hub model's weights were downloaded at (its cached snapshot's name), if cached."""
     try:
@@ -108,21 +80,20 @@ def _hub_snapshot(name: str, revision: str | None) -> str | None:
 
 
 def model_identity(vllm_config: Any) -> str:
-    """The name a deployment's chunks are stored under: the model, its weights, and what computes its KV.
+    """The name a deployment's chunks are stored under (:mod:`kvgroups.store.identity`'s format).
 
-    A local model directory is identified by its name, its config and its weight files (sizes and
-    sampled bytes, not paths or times: a copy on another node shares chunks, a fine-tune written
-    over it does not); a hub name by the commit of its cached snapshot (else the revision asked
-    for). The vLLM version and the model's dtype and quantization enter too, since they change
-    the KV bytes.
+    A local model directory is identified by its name and :func:`~kvgroups.store.identity.files_digest`
+    (a copy on another node shares chunks, a fine-tune written over it does not); a hub name by
+    the commit of its cached snapshot (else the revision asked for). The vLLM version and the
+    model's dtype and quantization follow, since they change the KV bytes.
     """
     model = vllm_config.model_config
     name = str(model.model)
     if os.path.isdir(name):
-        weights = f"weights-{_weights_digest(name)}"
+        weights = f"weights-{files_digest(name)}"
         name = os.path.basename(os.path.normpath(name))
     else:
         snapshot = _hub_snapshot(name, model.revision)
         weights = f"commit-{snapshot}" if snapshot else f"revision-{model.revision or 'default'}"
-    version = ".".join(vllm.__version__.split(".")[:2])
-    return f"{name}|{weights}|vllm-{version}|{model.dtype}|quantization-{model.quantization or 'none'}"
+    return identity(name, weights, "vllm", vllm.__version__, str(model.dtype),
+                    f"quantization-{model.quantization or 'none'}")

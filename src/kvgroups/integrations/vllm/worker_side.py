@@ -13,55 +13,20 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
 
-from kvgroups.core.layouts import KVLayout
 from kvgroups.core.sizes import ceil_div
 from kvgroups.datapath.kernels import warm_up
+from kvgroups.datapath.slots import paged_slots
 from kvgroups.datapath.transfer import KVTransfer
-from kvgroups.errors import KVGroupsError, UnsupportedCacheError
-from kvgroups.integrations.vllm.deployment import Deployment, tokens_of
-from kvgroups.integrations.vllm.engine_groups import EngineGroup
+from kvgroups.errors import KVGroupsError
+from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
 from kvgroups.store.chunk_store import KVChunkStore
 
 logger = logging.getLogger(__name__)
-
-# Attention backends whose pages hold, per (block, head, token), the K row then the V row
-# (layout VLLM), read from their sources; MLA backends keep one latent row per token.
-GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
-MLA_BACKENDS = frozenset({"FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
-# The CPU backend's kernel families whose page layout (layout VLLM_CPU) was checked, by reading
-# back what vLLM's cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a
-# multiple of 16 but not 32); others pack pages their own way (amx, checked) or are unchecked
-# (neon, vsx, vxe, rvv).
-CPU_ISAS = frozenset({"vec", "vec16"})
-
-
-def check_backends(deployment: Deployment, forward_context: Mapping[str, Any]) -> None:
-    """Raise unless every attention layer's backend lays its pages out as the plan's layout says."""
-    problems = []
-    for name, plan in deployment.plan.layers.items():
-        if not plan.token_indexed:
-            continue
-        layer = forward_context.get(name)
-        backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
-        if plan.layout is KVLayout.VLLM_CPU:
-            isa = getattr(layer, "isa", None)
-            if backend != "CPU_ATTN" or isa not in CPU_ISAS:
-                problems.append(f"{name}: backend {backend}, kernels {isa!r} (checked: CPU_ATTN with "
-                                f"{', '.join(sorted(CPU_ISAS))})")
-        elif plan.layout is KVLayout.MLA:
-            if backend not in MLA_BACKENDS:
-                problems.append(f"{name}: MLA backend {backend} (known: {', '.join(sorted(MLA_BACKENDS))})")
-        elif backend not in GPU_BACKENDS:
-            problems.append(f"{name}: backend {backend} (known: {', '.join(sorted(GPU_BACKENDS))})")
-    if problems:
-        raise UnsupportedCacheError("KVGroupsConnector does not know the page layout of: " + "; ".join(problems[:4]))
-
 
 class WorkerSide:
     """One worker's caches bound to its rank's chunk store."""
@@ -73,7 +38,7 @@ class WorkerSide:
         self.expected = deployment.metadata(rank, deployment.groups, "worker").fingerprint()
         self.store: KVChunkStore | None = None
         self.transfers: list[KVTransfer] = []
-        self.engine_groups: list[EngineGroup] = []
+        self.engine_groups = deployment.engine_groups
         self._load_errors: set[int] = set()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -82,7 +47,7 @@ class WorkerSide:
         if missing:
             raise KVGroupsError(f"vLLM registered no cache for layers {missing[:4]}")
         values = {name: layer.value(kv_caches[name]) for name, layer in plan.layers.items()}
-        groups = plan.build_groups(values)
+        groups, _ = plan.build_groups(values)
         metadata = self.deployment.metadata(self.rank, groups, "worker")
         if metadata.fingerprint() != self.expected:
             raise KVGroupsError(
@@ -90,7 +55,6 @@ class WorkerSide:
                 f"registered {[group.to_dict() for group in groups]}, "
                 f"expected {[group.to_dict() for group in self.deployment.groups]}"
             )
-        self.engine_groups = list(plan.engine_groups)
         self.transfers = [KVTransfer([group], values) for group in groups]
         self.store = KVChunkStore(metadata, list(self.deployment.settings.stores),
                                   salt=self.deployment.settings.salt)
@@ -114,7 +78,7 @@ class WorkerSide:
 
     def _load(self, plan: LoadPlan) -> bool:
         store = self._bound_store()
-        keys = store.keys(tokens_of(plan.token_bytes), request_salt=plan.request_salt)
+        keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         prefix = store.load(None, plan.num_tokens, keys=keys)
         if prefix.num_tokens != plan.num_tokens:
             logger.warning("request %s: the store served %d of the %d tokens promised; vLLM recomputes the rest",
@@ -128,14 +92,11 @@ class WorkerSide:
                 if not engine_group.token_indexed:
                     transfer.unpack([part.tensor], state_indices=[self._state_block(block_ids)])
                     continue
-                first = max(part.first_token, plan.local_tokens)
-                positions = np.arange(first, plan.num_tokens)
-                slots = _slots(positions, block_ids, engine_group.block_size)
+                positions = np.arange(max(part.first_token, plan.local_tokens), plan.num_tokens)
+                slots = paged_slots(positions, block_ids, engine_group.block_size)
                 # Tokens whose block is the null block have slid out of the window: nothing to write.
                 kept = slots >= 0
-                columns = torch.from_numpy(positions[kept] - part.first_token)
-                chunk = part.tensor.index_select(2, columns)
-                transfer.unpack([chunk], torch.from_numpy(slots[kept]))
+                transfer.unpack([part.rows(positions[kept])], torch.from_numpy(slots[kept]))
         return True
 
     def _planned_blocks(self, plan: LoadPlan) -> set[int]:
@@ -166,7 +127,7 @@ class WorkerSide:
 
     def _save(self, plan: SavePlan) -> None:
         store = self._bound_store()
-        keys = store.keys(tokens_of(plan.token_bytes), request_salt=plan.request_salt)
+        keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         block_ids_of = {engine_group.index: np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
                         for engine_group in self.engine_groups}
         for chunk in plan.chunks:
@@ -175,7 +136,7 @@ class WorkerSide:
             for engine_group in self.engine_groups:
                 block_ids = block_ids_of[engine_group.index]
                 if engine_group.token_indexed:
-                    slots = _slots(positions, block_ids, engine_group.block_size)
+                    slots = paged_slots(positions, block_ids, engine_group.block_size)
                     if (slots < 0).any():
                         continue  # part of the chunk has left this group's blocks (a window moved on)
                     slot_mapping = torch.from_numpy(slots)
@@ -209,11 +170,3 @@ class WorkerSide:
         if store is not None:
             store.close()
 
-
-def _slots(positions: np.ndarray, block_ids: np.ndarray, block_size: int) -> np.ndarray:
-    """vLLM slots (``block_id * block_size + offset``) of token ``positions``; -1 where no block holds one."""
-    index = positions // block_size
-    inside = index < block_ids.size
-    blocks = np.zeros(positions.shape, dtype=np.int64)
-    blocks[inside] = block_ids[index[inside]]
-    return np.where(blocks > 0, blocks * block_size + positions % block_size, -1)

@@ -1,0 +1,126 @@
+"""A transformers model's cache as kvgroups groups: read once, then chunks out of a cache and a cache out of chunks.
+
+:class:`CacheBinding` owns everything between a transformers cache and the chunk store: the parts
+its layers are read as (:mod:`.cache_parts`), their groups and ``LMCacheMetadata`` (from one probe
+forward, built once), the transfers that pack a forward's cache into chunks, and the restore of a
+loaded prefix into a fresh cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from kvgroups.core.cache_specs import LayerCacheSpec
+from kvgroups.core.group_keys import layer_key
+from kvgroups.core.groups import KVLayerGroupInfo
+from kvgroups.core.manager import KVLayerGroupsManager
+from kvgroups.core.metadata import LMCacheMetadata
+from kvgroups.datapath.transfer import KVTransfer
+from kvgroups.errors import KVGroupsError, UnsupportedCacheError
+from kvgroups.integrations.transformers.cache_parts import Part, current_value, empty_value, install, read_parts
+from kvgroups.store.prefixes import LoadedPrefix
+
+
+class BoundCache:
+    """One forward's cache bound for packing: per group, its transfer and the first token it holds.
+
+    Bound once per forward; every chunk that forward completes is packed from the same tensors. A
+    part holds its latest tokens, so a sliding one may no longer hold a chunk's first ones.
+    """
+
+    def __init__(self, groups: list[tuple[KVLayerGroupInfo, KVTransfer]], computed: int) -> None:
+        # A token group's layers are one block each (batch 1): its block size is the tokens it holds.
+        self._groups = [(group, transfer, computed - group.block_size if group.token_indexed else 0)
+                        for group, transfer in groups]
+
+    def pack(self, start: int, end: int) -> list[torch.Tensor]:
+        """The chunk of tokens ``[start, end)`` of every group; recurrent groups give their state now,
+        so the chunk must end where the cache does. Tokens a sliding part no longer holds are zeros
+        (a sliding group never reads them back)."""
+        chunks = []
+        for group, transfer, first_held in self._groups:
+            if not group.token_indexed:
+                chunks.append(transfer.pack(state_indices=[0])[0])
+                continue
+            available = max(start, first_held)
+            slots = torch.arange(available - first_held, end - first_held, device=transfer.device)
+            packed = transfer.pack(slots)[0]
+            if available > start:
+                whole = torch.zeros(group.chunk_shape(end - start), dtype=group.dtype, device=packed.device)
+                whole[:, :, available - start:] = packed
+                packed = whole
+            chunks.append(packed)
+        return chunks
+
+
+class CacheBinding:
+    """The parts, groups and metadata of a transformers model's cache, read from one probe forward.
+
+    ``groups`` are the metadata's groups in the form one chunk of ``chunk_size`` tokens takes;
+    ``all_recurrent`` says the cache holds states only, ``keeps_every_token`` that every part keeps
+    every token (so a prefill can run in one forward and be packed after it).
+    """
+
+    def __init__(self, model: Any, chunk_size: int, model_name: str) -> None:
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        probe = DynamicCache(config=model.config)
+        one = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            model(input_ids=one, cache=probe, use_cache=True, position_ids=one, logits_to_keep=1)
+        self.parts = read_parts(probe)
+        self.specs: dict[str, LayerCacheSpec] = {part.name: part.spec for part in self.parts}
+        self.all_recurrent = not any(part.token_indexed for part in self.parts)
+        self.keeps_every_token = all(part.spec.keeps_every_token for part in self.parts)
+        # The groups as they look holding one chunk, built on meta tensors.
+        template = {part.name: empty_value(part, chunk_size, torch.device("meta")) for part in self.parts}
+        manager = KVLayerGroupsManager()
+        manager.build_kv_layer_groups(template, self.specs, layout={
+            part.name: part.layout for part in self.parts if part.layout is not None})
+        self.metadata = LMCacheMetadata.for_groups(manager.kv_layer_groups, model_name=model_name,
+                                                   chunk_size=chunk_size)
+        self.groups = list(self.metadata.kv_layer_groups_manager.kv_layer_groups)
+        by_name = {part.name: part for part in self.parts}
+        self.group_parts: list[list[Part]] = [[by_name[name] for name in group.layer_names] for group in self.groups]
+
+    def _transfer(self, group_index: int, values: dict[str, Any]) -> tuple[KVLayerGroupInfo, KVTransfer]:
+        """Group ``group_index`` over ``values`` (its parts' tensors now), bound for copies."""
+        template = self.groups[group_index]
+        try:
+            key, _ = layer_key(values[template.layer_names[0]], template.layout, template.spec)
+            group = KVLayerGroupInfo(template.layer_names, template.layer_indices, key.shape, key.dtype, key.layout,
+                                     key.spec)
+            return group, KVTransfer([group], values)
+        except KVGroupsError as error:
+            raise UnsupportedCacheError(f"the cache's layers no longer group as they did: {error}") from None
+
+    def bind(self, cache: Any, computed: int) -> BoundCache:
+        """``cache``, holding ``computed`` tokens after a forward, bound for packing its chunks."""
+        values = {part.name: current_value(part, cache) for part in self.parts}
+        return BoundCache([self._transfer(index, values) for index in range(len(self.groups))], computed)
+
+    def restore(self, loaded: LoadedPrefix) -> Any:
+        """A fresh transformers cache holding the loaded prefix, as if it had been computed."""
+        cache = DynamicCache(config=self.config)
+        boundary = loaded.num_tokens
+        values: dict[str, Any] = {}
+        for prefix in loaded.groups:
+            parts = self.group_parts[prefix.group_index]
+            if not parts[0].token_indexed:
+                fresh = {part.name: empty_value(part, 0, self.device) for part in parts}
+                _, transfer = self._transfer(prefix.group_index, fresh)
+                transfer.unpack([prefix.tensor.to(self.device).contiguous()], state_indices=[0])
+            else:
+                # What the layers keep at the boundary: every token, or a sliding layer's window.
+                start, end = parts[0].spec.tokens_needed(boundary)
+                fresh = {part.name: empty_value(part, end - start, self.device) for part in parts}
+                _, transfer = self._transfer(prefix.group_index, fresh)
+                rows = prefix.rows(np.arange(start, end)).to(self.device)
+                transfer.unpack([rows], torch.arange(end - start, device=self.device))
+            values.update(fresh)
+        install(self.parts, values, cache, boundary)
+        return cache
