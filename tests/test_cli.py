@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvgroups.cli import main
-from kvgroups.models.presets import preset_names
+from kvgroups.models.presets import load_model_config, preset_names
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -129,12 +129,14 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "blank.json").write_text("\n")
     (tmp / "braces.json").write_text("{}")
     (tmp / "int8.json").write_text(json.dumps({**LLAMA, "torch_dtype": "int8"}))
+    mamba = load_model_config("falcon-mamba-7b").config
+    (tmp / "int8-mamba.json").write_text(json.dumps({**mamba, "torch_dtype": "int8"}))
     (tmp / "new.json").write_text(json.dumps({**LLAMA, "model_type": "brand_new"}))
     return [
         (["inspect", str(tmp / "blank.json")], "the file is empty; expected a Hugging Face config.json"),
         (["inspect", str(tmp / "braces.json")], "the config is an empty JSON object"),
         (["inspect", str(tmp / "int8.json")], "config torch_dtype 'int8' cannot hold a KV cache"),
-        (["inspect", str(tmp / "int8.json"), "--kv-dtype", "bfloat16"],
+        (["inspect", str(tmp / "int8-mamba.json"), "--kv-dtype", "bfloat16"],
          "config torch_dtype 'int8' cannot hold a recurrent state"),
         (["inspect", str(tmp / "new.json"), "--assume", "nope"], "argument --assume: invalid choice: 'nope'"),
         (["inspect", "llama-3.1-8b", "--plot", "out.pdf"], "expected a .png or .svg file name, got 'out.pdf'"),
@@ -232,6 +234,17 @@ REFUSALS: list[tuple[str, dict[str, Any], list[str], str]] = [
      json.loads((Path(__file__).parent / "configs/falcon-h1-0.5b.json").read_text()), [],
      "mamba_n_heads * mamba_d_head = 24 * 64 = 1536 differs from mamba_d_ssm (default)=1024"),
 ]
+
+
+def test_a_state_dtype_is_resolved_only_for_models_that_keep_a_state(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    """An attention-only config whose torch_dtype cannot hold a recurrent state is read with --kv-dtype."""
+    (tmp_path / "int8.json").write_text(json.dumps({**LLAMA, "torch_dtype": "int8"}))
+    code, out, err = run_main(capsys, "inspect", str(tmp_path / "int8.json"), "--kv-dtype", "bfloat16", "--json")
+    assert (code, err) == (0, "")
+    engine = json.loads(out)["engine"]
+    assert engine["kv_dtype"] == "bfloat16"
+    assert engine["state_dtype"] is engine["conv_state_dtype"] is engine["ssm_state_dtype"] is None
 
 
 def test_refusals_exit_2_with_one_line_and_nothing_on_stdout(tmp_path: Path) -> None:

@@ -166,8 +166,9 @@ class Report:
             "max_position_embeddings": self.model.max_position_embeddings,
             "engine": {
                 "tp": tp, "rank": params.rank, "block_size": params.block_size, "layout": params.layout.value,
-                "kv_dtype": dtype_name(dtypes.kv), "state_dtype": dtype_name(dtypes.state),
-                "conv_state_dtype": dtype_name(dtypes.conv_state), "ssm_state_dtype": dtype_name(dtypes.ssm_state),
+                "kv_dtype": dtype_name(dtypes.kv), "state_dtype": _name_or_none(dtypes.state),
+                "conv_state_dtype": _name_or_none(dtypes.conv_state),
+                "ssm_state_dtype": _name_or_none(dtypes.ssm_state),
                 "chunk_size": params.chunk_size, "num_blocks": self.build.num_blocks, "memory_gib": params.memory_gib,
                 "tokens": params.tokens, "seqs": params.seqs, "images": params.images,
             },
@@ -226,3 +227,7 @@ def inspect_model(spec: ModelSpec, model_name: str, params: EngineParams, source
         model_name=model_name, source=source, model=spec, params=params, build=build, groups=_group_rows(build),
         warnings=(*spec.warnings, *_engine_warnings(spec, params, build)),
     )
+
+
+def _name_or_none(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else dtype_name(dtype)

@@ -51,3 +51,12 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise KVGroupsError(
             f"unknown dtype name {name!r}; expected one of {', '.join(_BY_NAME)}"
         ) from None
+
+
+def dtype_among(name: object, allowed: tuple[str, ...]) -> torch.dtype | None:
+    """The dtype ``name`` (``"bfloat16"`` or ``"torch.bfloat16"``, as configs write it) names when it is
+    one of ``allowed``, else None: how a config's dtype field is checked against what a cache is kept in."""
+    if not isinstance(name, str):
+        return None
+    bare = name.removeprefix("torch.")
+    return _BY_NAME[bare] if bare in allowed else None

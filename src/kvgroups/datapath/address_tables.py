@@ -19,6 +19,31 @@ import torch
 
 from kvgroups.core.group_keys import Tensors, kv_planes
 from kvgroups.core.layouts import KVLayout, to_token_major
+from kvgroups.errors import KVGroupsError
+
+# Types a copy may reinterpret bytes as, widest first.
+_WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+def widest_word(*byte_quantities: int, max_bytes: int = 16) -> torch.dtype:
+    """The widest type of at most ``max_bytes`` whose size divides every quantity (row sizes,
+    strides, addresses in bytes): copies then move that many bytes per element."""
+    for dtype in _WORDS:
+        if dtype.itemsize <= max_bytes and all(quantity % dtype.itemsize == 0 for quantity in byte_quantities):
+            return dtype
+    return torch.int8  # pragma: no cover - int8 divides everything
+
+
+def _same_memory(tensors: tuple[torch.Tensor, ...], pointers: tuple[int, ...]) -> bool:
+    return all(tensor.data_ptr() == pointer for tensor, pointer in zip(tensors, pointers, strict=True))
+
+
+def check_still_bound(table: TokenTable | StateTable) -> None:
+    """Raise when a tensor the table addresses was reallocated since the table was built."""
+    if not table.still_valid():
+        raise KVGroupsError(
+            "a bound cache tensor was reallocated (resize_ or set_) after KVTransfer was built; bind again"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,7 +85,11 @@ class TokenTable:
 
     def still_valid(self) -> bool:
         """Whether every addressed tensor still has the memory it had (no ``resize_`` / ``set_`` since)."""
-        return all(tensor.data_ptr() == pointer for tensor, pointer in zip(self.tensors, self.pointers, strict=True))
+        return _same_memory(self.tensors, self.pointers)
+
+    def chunk_offset(self, num_tokens: int) -> int:
+        """Bytes into a chunk of ``num_tokens`` tokens where this table's first plane starts."""
+        return self.first_plane * self.num_layers * num_tokens * self.row_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,7 +112,7 @@ class StateTable:
     row_bytes: int
 
     def still_valid(self) -> bool:
-        return all(tensor.data_ptr() == pointer for tensor, pointer in zip(self.tensors, self.pointers, strict=True))
+        return _same_memory(self.tensors, self.pointers)
 
 
 def token_tables(layout: KVLayout, layers: Sequence[Tensors]) -> tuple[TokenTable, ...] | None:

@@ -26,8 +26,8 @@ import torch
 from numba import njit, prange
 
 from kvgroups.core.sizes import MIB
-from kvgroups.datapath.address_tables import StateTable, TokenTable
-from kvgroups.datapath.numba_moves import (
+from kvgroups.datapath.address_tables import StateTable, TokenTable, check_still_bound
+from kvgroups.datapath.numba_intrinsics import (
     STREAMING_STORES,
     VECTOR_BYTES,
     copy_piece,
@@ -35,7 +35,6 @@ from kvgroups.datapath.numba_moves import (
     move_element,
 )
 from kvgroups.datapath.slots import CallSlots
-from kvgroups.errors import KVGroupsError
 
 # Below this many bytes a call runs on one thread (see the module docstring).
 PARALLEL_MIN_BYTES = 4 * MIB
@@ -173,13 +172,6 @@ def _copy_states(bases: Any, slot_strides: Any, unit_bytes: Any, columns: Any, l
             copy_piece(chunk_at, cache_at, unit_bytes[entry], False)
 
 
-def _check_moved(table: TokenTable | StateTable) -> None:
-    if not table.still_valid():
-        raise KVGroupsError(
-            "a bound cache tensor was reallocated (resize_ or set_) after KVTransfer was built; bind again"
-        )
-
-
 class NumbaTokenCopier:
     """The copies of one token-indexed group through :func:`_copy_tokens_serial` / ``_parallel``.
 
@@ -205,12 +197,12 @@ class NumbaTokenCopier:
         threads = self.num_threads or torch.get_num_threads()
         parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
         slots = call.cpu_slots.numpy()
-        _check_moved(self.tables[0])  # every table of a group addresses the same tensors
+        check_still_bound(self.tables[0])  # every table of a group addresses the same tensors
         for table, bases, cache_alignment in zip(self.tables, self.bases, self.cache_alignment, strict=True):
             # Tokens merge into one run only when a row is one piece in the cache.
             first, offset, length = _token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
                                                 table.row_bytes, table.rows_contiguous)
-            chunk_at = chunk.data_ptr() + table.first_plane * table.num_layers * call.num_tokens * table.row_bytes
+            chunk_at = chunk.data_ptr() + table.chunk_offset(call.num_tokens)
             # Stores that bypass the cache pay off where the written rows are not read soon: the
             # caches (unpack), and chunks too large to stay cached (pack). They need 32-byte
             # aligned rows.
@@ -239,7 +231,7 @@ class NumbaStateCopier:
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
         if call.state_indices is None or not call.num_states:
             return
-        _check_moved(self.table)
+        check_still_bound(self.table)
         _copy_states(*self.arrays, chunk.data_ptr(), self.table.row_bytes, call.state_indices.numpy(), scatter)
 
 

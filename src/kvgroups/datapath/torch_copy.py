@@ -22,18 +22,8 @@ import torch
 
 from kvgroups.core.group_keys import Tensors, kv_planes
 from kvgroups.core.layouts import KVLayout, to_token_major
+from kvgroups.datapath.address_tables import widest_word
 from kvgroups.datapath.slots import CallSlots, TokenPlan
-
-# Reinterpretation types for scatters, widest first.
-_WIDE_TYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def widest(*byte_quantities: int) -> torch.dtype:
-    """The widest type whose size divides every quantity (row sizes, strides, offsets in bytes)."""
-    for dtype in _WIDE_TYPES:
-        if all(quantity % dtype.itemsize == 0 for quantity in byte_quantities):
-            return dtype
-    return torch.uint8  # pragma: no cover - uint8 divides everything
 
 
 @dataclass(frozen=True)
@@ -135,7 +125,7 @@ class TokenCopier:
             offsets = {int(tensor.storage_offset()) for layer in self.planes for tensor, _ in layer}
             shared = self.shared
             # One wide type for the whole group, such that every row, stride and offset stays whole.
-            self.scatter_type = widest(
+            self.scatter_type = widest_word(
                 shared.hidden * self.item, shared.block_stride * self.item, shared.offset_stride * self.item,
                 *(offset * self.item for offset in offsets), *(offset * self.item for offset in shared.plane_offsets),
             )
@@ -201,7 +191,7 @@ class TokenCopier:
         split = plan.num_block_tokens if shared is not None and shared.blocks_contiguous else 0
         row_type = self.scatter_type if scatter else chunk.dtype
         if scatter and chunk.storage_offset():
-            row_type = widest(row_type.itemsize, int(chunk.storage_offset()) * self.item)
+            row_type = widest_word(row_type.itemsize, int(chunk.storage_offset()) * self.item)
         rows_per_plane = chunk.view(self.num_planes * self.num_layers, plan.num_tokens, -1)
         typed_rows = rows_per_plane.view(row_type)
         block_targets: Sequence[torch.Tensor] = ()
@@ -248,7 +238,7 @@ class TokenCopier:
             indices = (layers[:, None] * step + rows_in_layer[None, :]).flatten()
             chunk_rows = chunk[plane_index].view(indices.shape[0], row_size)
             if scatter:
-                chunk_rows = chunk_rows.view(widest(
+                chunk_rows = chunk_rows.view(widest_word(
                     row_size * self.item, view.stride(0) * self.item, int(view.storage_offset()) * self.item,
                     int(chunk_rows.storage_offset()) * self.item,
                 ))

@@ -18,19 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvgroups.datapath.address_tables import StateTable, TokenTable
+from kvgroups.datapath.address_tables import StateTable, TokenTable, check_still_bound, widest_word
 from kvgroups.datapath.slots import CallSlots
-from kvgroups.errors import KVGroupsError
 
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.int8)
 _BLOCK = 256  # words one program copies per step
 
 
 def _word(*byte_quantities: int) -> torch.dtype:
-    for dtype in _WORDS:
-        if all(quantity % dtype.itemsize == 0 for quantity in byte_quantities):
-            return dtype
-    return torch.int8  # pragma: no cover - int8 divides everything
+    """Triton moves integers of at most 8 bytes."""
+    return widest_word(*byte_quantities, max_bytes=8)
 
 
 @triton.jit
@@ -74,13 +70,6 @@ def _copy_states(bases, slot_strides, unit_words, columns, layers, indices, chun
             tl.store(row + index, tl.load(cache + index, mask=mask), mask=mask)
 
 
-def _check_moved(table: TokenTable | StateTable) -> None:
-    if not table.still_valid():
-        raise KVGroupsError(
-            "a bound cache tensor was reallocated (resize_ or set_) after KVTransfer was built; bind again"
-        )
-
-
 def _chunk_words(chunk: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     return chunk.view(-1).view(torch.uint8).view(_word(word.itemsize, chunk.data_ptr()))
 
@@ -108,13 +97,13 @@ class TritonTokenCopier:
         size = words.element_size()
         blocks = torch.div(call.slots, self.block_size, rounding_mode="floor")
         in_block = call.slots - blocks * self.block_size
-        _check_moved(self.tables[0])  # every table of a group addresses the same tensors
+        check_still_bound(self.tables[0])  # every table of a group addresses the same tensors
         for table, bases in zip(self.tables, self.bases, strict=True):
             offsets = blocks * table.block_stride + in_block * table.offset_stride
             element_words, element_stride_words = (
                 (1, 1) if table.elements_contiguous else (table.element_bytes // size, table.element_stride // size)
             )
-            rows = words[table.first_plane * table.num_layers * call.num_tokens * (table.row_bytes // size):]
+            rows = words[table.chunk_offset(call.num_tokens) // size:]
             # Addresses and offsets are bytes; sizes and strides are words (each divides by the word size).
             grid: Any = (table.num_planes * table.num_layers, call.num_tokens)
             _copy_rows[grid](bases, offsets, rows, call.num_tokens, table.row_bytes // size, table.units,
@@ -139,7 +128,7 @@ class TritonStateCopier:
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
         if call.state_indices is None or not call.num_states:
             return
-        _check_moved(self.table)
+        check_still_bound(self.table)
         words = _chunk_words(chunk, self.word)
         size = words.element_size()
         grid: Any = (self.bases.shape[0], call.num_states)

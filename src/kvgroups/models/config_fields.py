@@ -22,6 +22,8 @@ from kvgroups.errors import ModelConfigError
 from kvgroups.models.layers import AttentionLayer, ModelLayer
 
 GENERIC_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+# Where configs name their SSM states' dtype (mamba2 hybrids; Qwen3-Next and Qwen3.5), first found wins.
+SSM_DTYPE_FIELDS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
 
 # Fields that change what a model's layers cache (recurrent mixers, layer patterns, other head
 # counts or sizes, image tokens, sparse-attention indexers, latents). Only families that read
@@ -175,7 +177,12 @@ class Family:
     layer_types: Mapping[str, LayerReader] = field(default_factory=dict)
     reads_layer_types: bool = True
     reads: frozenset[str] = frozenset()  # fields that change the cache and that ``read`` understands
-    ssm_dtype_fields: tuple[str, ...] = ()  # where the config names its SSM states' dtype
+
+    @property
+    def ssm_dtype_fields(self) -> tuple[str, ...]:
+        """Where this family's configs name their SSM states' dtype: the fields of
+        :data:`SSM_DTYPE_FIELDS` it reads."""
+        return tuple(name for name in SSM_DTYPE_FIELDS if name in self.reads)
 
     def layers(self, config: ConfigFields) -> list[ModelLayer]:
         layer_types = config.data.get("layer_types")
@@ -209,12 +216,11 @@ FAMILIES: dict[str, Family] = {}
 def family(
     *model_types: str, defaults: Mapping[str, Any] | None = None,
     layer_types: Mapping[str, LayerReader] | None = None, reads_layer_types: bool = True,
-    reads: Iterable[str] = (), ssm_dtype_fields: tuple[str, ...] = (),
+    reads: Iterable[str] = (),
 ) -> Callable[[Reader], Reader]:
     def register(read: Reader) -> Reader:
         family = Family(read=read, defaults=defaults or {}, layer_types=layer_types or {},
-                        reads_layer_types=reads_layer_types, reads=frozenset(reads),
-                        ssm_dtype_fields=ssm_dtype_fields)
+                        reads_layer_types=reads_layer_types, reads=frozenset(reads))
         for model_type in model_types:
             FAMILIES[model_type] = family
         return read

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvgroups.core.dtypes import STATE_DTYPES
+from kvgroups.core.dtypes import STATE_DTYPES, dtype_among, dtype_name
 from kvgroups.errors import ModelConfigError
 from kvgroups.models import families
 from kvgroups.models.config_fields import (
@@ -70,11 +70,11 @@ def _ssm_state_dtype(wrapped: ConfigFields) -> str | None:
         value = wrapped.get(name)
         if value is None or value == "auto":
             continue
-        bare = str(value).removeprefix("torch.")
-        if bare not in STATE_DTYPES:
+        dtype = dtype_among(str(value), STATE_DTYPES)
+        if dtype is None:
             raise ModelConfigError(f"config field {name!r} is {value!r}; expected auto or one of "
                                    f"{', '.join(STATE_DTYPES)}")
-        return bare
+        return dtype_name(dtype)
     return None
 
 

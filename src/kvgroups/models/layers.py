@@ -24,7 +24,6 @@ class CacheRole(enum.Enum):
     CONV_STATE = "conv_state"  # --conv-state-dtype, else --state-dtype
     SSM_STATE = "ssm_state"  # --ssm-state-dtype, else the config's SSM-state dtype, else --state-dtype
     STATE = "state"  # --state-dtype only (vLLM keeps a lightning-attention state in its mamba cache dtype)
-    FIXED = "fixed"  # the cache's own dtype, whatever the options (a sparse indexer's uint8 keys)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +42,7 @@ class RankCache:
     head_size: int
     replicated: bool  # every rank holds the same bytes (MLA latents, heads fewer than ranks)
     role: CacheRole = CacheRole.KV
-    fixed_dtype: str | None = None
+    fixed_dtype: str | None = None  # the cache's own dtype whatever the options (a sparse indexer's uint8 keys)
     mixer: str = "attention"
     part: str = "k/v"
     tokens_per_image: int | None = None
@@ -187,21 +186,24 @@ class IndexedMLALayer:
     has_indexer: bool = True
 
     @property
+    def latent(self) -> MLALayer:
+        """The layer's MLA latent cache, as in a layer without an indexer."""
+        return MLALayer(kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
+
+    @property
     def indexer_bytes(self) -> int:
         return self.index_head_dim + self.index_head_dim // INDEXER_QUANT_BLOCK * INDEXER_SCALE_BYTES
 
     @property
     def summary(self) -> str:
-        indexer = f" + indexer {self.index_head_dim}" if self.has_indexer else ""
-        return f"mla {self.kv_lora_rank}+{self.qk_rope_head_dim}{indexer}"
+        return self.latent.summary + (f" + indexer {self.index_head_dim}" if self.has_indexer else "")
 
     def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
-        latent = MLALayer(kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
-        caches = latent.rank_caches(tp, layer_index)
+        caches = self.latent.rank_caches(tp, layer_index)
         if not self.has_indexer:
             return caches
         keys = RankCache(spec=MLAttention(), num_kv_heads=1, head_size=self.indexer_bytes, replicated=True,
-                         role=CacheRole.FIXED, fixed_dtype="uint8", mixer="indexer", part="keys")
+                         fixed_dtype="uint8", mixer="indexer", part="keys")
         return (*caches, keys)
 
 

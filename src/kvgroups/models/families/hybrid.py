@@ -40,16 +40,11 @@ _GDN_DEFAULTS: Mapping[str, Any] = {
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "max_position_embeddings": 32768,
 }
-family("qwen3_next", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 2},
-       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS,
-       ssm_dtype_fields=("mamba_ssm_dtype",))(_every_interval)
 # Qwen3.5 names its SSM states' dtype (mamba_ssm_dtype: float32), which vLLM honours.
+family("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 2},
+       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS)(_every_interval)
 family("qwen3_5", "qwen3_5_text", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 4},
-       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS,
-       ssm_dtype_fields=("mamba_ssm_dtype",))(_every_interval)
-family("qwen3_5_moe", "qwen3_5_moe_text", defaults={**_GDN_DEFAULTS, "num_key_value_heads": 2},
-       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS,
-       ssm_dtype_fields=("mamba_ssm_dtype",))(_every_interval)
+       layer_types={"linear_attention": _gated_deltanet}, reads=_GDN_FIELDS)(_every_interval)
 
 
 def _lightning(config: ConfigFields) -> ModelLayer:

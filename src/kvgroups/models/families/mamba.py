@@ -15,7 +15,6 @@ from kvgroups.models.config_fields import ConfigFields, family, from_layer_types
 from kvgroups.models.layers import AttentionLayer, ModelLayer, NoCacheLayer, ParallelLayer
 from kvgroups.models.state_layers import Mamba1Layer, Mamba2Layer
 
-SSM_DTYPE_FIELDS = ("mamba_ssm_cache_dtype",)
 # mamba_* / ssm_* / conv_* fields these families carry that change no cache size.
 _NO_CACHE_EFFECT = (
     "mamba_conv_bias", "mamba_proj_bias", "mamba_dt_rank", "mamba_chunk_size", "mamba_hidden_act",
@@ -61,7 +60,7 @@ def _attention(config: ConfigFields) -> ModelLayer:
     "conv_kernel": 4, "num_key_value_heads": 8, "mamba_ssm_cache_dtype": "float32",
 }, reads_layer_types=False,  # its reader maps layers_block_type / layer_types to its own symbols
    reads=(*_NO_CACHE_EFFECT, "hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
-          "n_groups", "ssm_state_size", "conv_kernel"), ssm_dtype_fields=SSM_DTYPE_FIELDS)
+          "n_groups", "ssm_state_size", "conv_kernel"))
 def _nemotron_h(config: ConfigFields) -> list[ModelLayer]:
     """``hybrid_override_pattern``: M mamba2, * attention, - MLP, E MoE (the last two cache nothing)."""
     pattern = config.get("hybrid_override_pattern")
@@ -102,7 +101,7 @@ def _nemotron_h(config: ConfigFields) -> list[ModelLayer]:
     "num_key_value_heads": 8, "max_position_embeddings": 262144,
 }, reads_layer_types=False,
    reads=(*_NO_CACHE_EFFECT, "attn_layer_period", "attn_layer_offset", "mamba_d_state", "mamba_d_conv",
-          "mamba_expand"), ssm_dtype_fields=SSM_DTYPE_FIELDS)
+          "mamba_expand"))
 def _jamba(config: ConfigFields) -> list[ModelLayer]:
     """Attention where ``layer % attn_layer_period == attn_layer_offset``, mamba (v1) elsewhere."""
     period, offset = config.integer("attn_layer_period"), config.integer("attn_layer_offset", minimum=0)
@@ -115,8 +114,7 @@ def _jamba(config: ConfigFields) -> list[ModelLayer]:
 
 
 @family("bamba", defaults={**_MAMBA2_DEFAULTS, "num_key_value_heads": 8, "max_position_embeddings": 262144},
-        reads_layer_types=False, reads=(*_NO_CACHE_EFFECT, *_MAMBA_FIELDS, "attn_layer_indices"),
-        ssm_dtype_fields=SSM_DTYPE_FIELDS)
+        reads_layer_types=False, reads=(*_NO_CACHE_EFFECT, *_MAMBA_FIELDS, "attn_layer_indices"))
 def _bamba(config: ConfigFields) -> list[ModelLayer]:
     """Attention at ``attn_layer_indices``, mamba2 elsewhere."""
     attention = config.layer_indices("attn_layer_indices")
@@ -131,7 +129,7 @@ def _granite_mamba(config: ConfigFields) -> ModelLayer:
 
 @family("granitemoehybrid", defaults={**_MAMBA2_DEFAULTS, "max_position_embeddings": 2048},
         layer_types={"mamba": _granite_mamba, "linear_attention": _granite_mamba, "attention": _attention},
-        reads=(*_NO_CACHE_EFFECT, *_MAMBA_FIELDS), ssm_dtype_fields=SSM_DTYPE_FIELDS)
+        reads=(*_NO_CACHE_EFFECT, *_MAMBA_FIELDS))
 def _granite_hybrid(config: ConfigFields) -> list[ModelLayer]:
     """``layer_types`` (``mamba`` / ``attention``); without it every layer is mamba2, as in transformers."""
     return from_layer_types(config, ["mamba"] * config.integer("num_hidden_layers"))
@@ -139,8 +137,7 @@ def _granite_hybrid(config: ConfigFields) -> list[ModelLayer]:
 
 @family("falcon_h1", defaults={**_MAMBA2_DEFAULTS, "mamba_d_ssm": 1024, "num_key_value_heads": 8,
                                "max_position_embeddings": 8192},
-        reads_layer_types=False, reads=(*_NO_CACHE_EFFECT, *_MAMBA_FIELDS, "mamba_d_ssm", "attn_layer_indices"),
-        ssm_dtype_fields=SSM_DTYPE_FIELDS)
+        reads_layer_types=False, reads=(*_NO_CACHE_EFFECT, *_MAMBA_FIELDS, "mamba_d_ssm", "attn_layer_indices"))
 def _falcon_h1(config: ConfigFields) -> list[ModelLayer]:
     """Attention and mamba2 side by side in every layer (``mamba_d_ssm`` channels wide)."""
     if config.data.get("attn_layer_indices"):
@@ -160,7 +157,7 @@ def _falcon_h1(config: ConfigFields) -> list[ModelLayer]:
     "num_attention_heads": 32, "hidden_size": 2560, "num_hidden_layers": 54, "max_position_embeddings": 4096,
 }, reads_layer_types=False,
    reads=(*_NO_CACHE_EFFECT, "layers_block_type", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_ngroups",
-          "n_mamba_heads", "mamba_headdim", "hybrid_layer_ids"), ssm_dtype_fields=SSM_DTYPE_FIELDS)
+          "n_mamba_heads", "mamba_headdim", "hybrid_layer_ids"))
 def _zamba2(config: ConfigFields) -> list[ModelLayer]:
     """``layers_block_type``: ``mamba`` layers keep a mamba2 state; ``hybrid`` layers run a shared
     attention block before their mamba2 mixer and keep a K/V cache of their own at each position.
@@ -206,8 +203,7 @@ def _zamba2(config: ConfigFields) -> list[ModelLayer]:
 
 @family("mamba", "falcon_mamba", defaults={"state_size": 16, "conv_kernel": 4, "expand": 2},
         reads_layer_types=False,
-        reads=(*_NO_CACHE_EFFECT, "state_size", "conv_kernel", "expand", "intermediate_size"),
-        ssm_dtype_fields=SSM_DTYPE_FIELDS)
+        reads=(*_NO_CACHE_EFFECT, "state_size", "conv_kernel", "expand", "intermediate_size"))
 def _mamba(config: ConfigFields) -> list[ModelLayer]:
     """Mamba (v1) in every layer, ``intermediate_size`` channels (else ``expand * hidden_size``)."""
     intermediate = (config.integer("intermediate_size") if config.get("intermediate_size") is not None
@@ -219,8 +215,7 @@ def _mamba(config: ConfigFields) -> list[ModelLayer]:
 
 @family("mamba2", defaults={"num_heads": 128, "head_dim": 64, "state_size": 128, "expand": 2, "conv_kernel": 4,
                             "n_groups": 8, "hidden_size": 4096, "num_hidden_layers": 64},
-        reads_layer_types=False, reads=(*_NO_CACHE_EFFECT, "state_size", "conv_kernel", "expand", "n_groups"),
-        ssm_dtype_fields=SSM_DTYPE_FIELDS)
+        reads_layer_types=False, reads=(*_NO_CACHE_EFFECT, "state_size", "conv_kernel", "expand", "n_groups"))
 def _mamba2_family(config: ConfigFields) -> list[ModelLayer]:
     """Mamba2 in every layer; ``num_heads * head_dim`` must be ``expand * hidden_size``."""
     heads, head_dim = config.integer("num_heads"), config.integer("head_dim")

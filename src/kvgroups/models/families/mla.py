@@ -41,10 +41,8 @@ def _indexer_types(config: ConfigFields, num_layers: int) -> list[str]:
                 f"indexer_types must list 'full' or 'shared' for each of {num_layers} layers, got {explicit!r}"
             )
         return list(explicit)
-    freq = config.integer("index_topk_freq") if config.get("index_topk_freq") is not None else 1
-    offset = 2  # transformers' default
-    if config.get("index_skip_topk_offset") is not None:
-        offset = config.integer("index_skip_topk_offset", minimum=0)
+    freq = config.integer("index_topk_freq")
+    offset = config.integer("index_skip_topk_offset", minimum=0)
     return ["full" if max(index - offset + 1, 0) % freq == 0 else "shared" for index in range(num_layers)]
 
 
@@ -61,7 +59,8 @@ def _dsa(config: ConfigFields) -> list[ModelLayer]:
 
 
 # transformers' DeepseekV32Config / GlmMoeDsaConfig defaults.
-family("deepseek_v32", defaults={"index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048},
+_DSA_DEFAULTS = {"index_head_dim": 128, "index_topk": 2048, "index_topk_freq": 1, "index_skip_topk_offset": 2}
+family("deepseek_v32", defaults={**_DSA_DEFAULTS, "index_n_heads": 64},
        reads=_DSA_FIELDS, reads_layer_types=False)(_dsa)
-family("glm_moe_dsa", defaults={"index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048},
+family("glm_moe_dsa", defaults={**_DSA_DEFAULTS, "index_n_heads": 32},
        reads=_DSA_FIELDS, reads_layer_types=False)(_dsa)

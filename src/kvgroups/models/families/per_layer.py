@@ -29,7 +29,7 @@ def _layer_type_list(config: ConfigFields, default: list[str]) -> list[str]:
 
 @family("gemma4", "gemma4_text", defaults={
     "head_dim": 256, "global_head_dim": 512, "sliding_window": 512, "num_key_value_heads": 4,
-    "num_attention_heads": 8, "num_hidden_layers": 30, "max_position_embeddings": 131072,
+    "num_attention_heads": 8, "num_hidden_layers": 30, "max_position_embeddings": 131072, "num_kv_shared_layers": 0,
 }, reads_layer_types=False, reads=("global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers"))
 def _gemma4(config: ConfigFields) -> list[ModelLayer]:
     """Sliding layers: ``num_key_value_heads`` x ``head_dim``; full layers: ``global_head_dim``, with
@@ -53,7 +53,7 @@ def _gemma4(config: ConfigFields) -> list[ModelLayer]:
     if config.get("attention_k_eq_v") is True and config.get("num_global_key_value_heads") is not None:
         global_heads = config.integer("num_global_key_value_heads")
     full = AttentionLayer(spec=FullAttention(), num_kv_heads=global_heads, head_size=config.integer("global_head_dim"))
-    shared = config.integer("num_kv_shared_layers", minimum=0) if config.get("num_kv_shared_layers") else 0
+    shared = config.integer("num_kv_shared_layers", minimum=0)
     if shared > num_layers:
         raise ModelConfigError(f"num_kv_shared_layers={shared} exceeds num_hidden_layers={num_layers}")
     return [
