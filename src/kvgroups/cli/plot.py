@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvgroups.core.cache_specs import spec_from_dict
+from kvgroups.cli.render import kind_text
+from kvgroups.cli.report import costs_of
 from kvgroups.core.sizes import GIB
 from kvgroups.errors import KVGroupsError
-from kvgroups.models.capacity import GroupCost, memory_needed
+from kvgroups.models.capacity import memory_needed
 
 POINTS = 400
 # The context plotted when the config states no maximum and --tokens is not given.
@@ -35,28 +36,15 @@ class PlotSeries:
     budget: int | None
 
 
-def _group_label(group: dict[str, Any]) -> str:
-    spec = group["spec"]
-    kind = group["holds"] if group["kind"] == "recurrent" else group["kind"]
-    if "window_tokens" in spec:
-        kind = f"sliding({spec['window_tokens']})"
-    elif "chunk_tokens" in spec:
-        kind = f"chunked({spec['chunk_tokens']})"
-    return f"group {group['index']}: {kind}, {group['num_layers']} layers ({group['dtype']})"
-
-
-def _costs(report: dict[str, Any]) -> tuple[list[str], list[GroupCost]]:
-    labels, costs = [], []
-    for group in report["groups"]:
-        labels.append(_group_label(group))
-        costs.append(GroupCost(spec=spec_from_dict(group["spec"]), bytes_per_token=group["bytes_per_token"],
-                               bytes_per_sequence=group["bytes_per_sequence"]))
+def _labels(report: dict[str, Any]) -> list[str]:
+    """One label per area: the groups in the table's words, then the images."""
+    labels = [f"group {group['index']}: {kind_text(group)}, {group['num_layers']} layers ({group['dtype']})"
+              for group in report["groups"]]
     cross = report["cross_attention"]
     if cross is not None and cross["bytes_per_sequence"]:
         labels.append(f"images: {cross['images']} x {cross['tokens_per_image']} tokens in "
                       f"{cross['num_layers']} cross-attention layers")
-        costs.append(GroupCost(spec=None, bytes_per_token=0, bytes_per_sequence=cross["bytes_per_sequence"]))
-    return labels, costs
+    return labels
 
 
 def plot_series(report: dict[str, Any], points: int = POINTS) -> PlotSeries:
@@ -66,7 +54,7 @@ def plot_series(report: dict[str, Any], points: int = POINTS) -> PlotSeries:
     first = min(engine["block_size"], context)
     tokens = sorted({round(first * (context / first) ** (step / (points - 1))) for step in range(points)}
                     | ({engine["tokens"]} if engine["tokens"] and engine["tokens"] <= context else set()))
-    labels, costs = _costs(report)
+    labels, costs = _labels(report), costs_of(report["groups"], report["cross_attention"])
     seqs, block = engine["seqs"], engine["block_size"]
     areas = [[memory_needed([cost], count, seqs, block, hybrid=True) for count in tokens] for cost in costs]
     all_full = [memory_needed(costs, count, seqs, block, hybrid=False) for count in tokens]

@@ -28,7 +28,7 @@ _USUAL_HOLDS = {"full_attention": "attention k/v", "sliding_window": "attention 
                 "chunked_local": "attention k/v", "mla": "mla latent"}
 
 
-def _kind(group: dict[str, Any]) -> str:
+def kind_text(group: dict[str, Any]) -> str:
     """The kind with its window or chunk; a recurrent group by what it holds (``mamba2 conv+ssm``)."""
     spec = group["spec"]
     if group["kind"] == "recurrent":
@@ -89,8 +89,8 @@ def render_inspect(report: dict[str, Any], console: Console) -> None:
         table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for group in report["groups"]:
         table.add_row(
-            str(group["index"]), _layers(group["model_layers"], report["layers"]["total"]), _kind(group), _shape(group),
-            group["dtype"], _number(group["hidden_dim_size"]), _number(group["bytes_per_token"]),
+            str(group["index"]), _layers(group["model_layers"], report["layers"]["total"]), kind_text(group),
+            _shape(group), group["dtype"], _number(group["hidden_dim_size"]), _number(group["bytes_per_token"]),
             _number(group["bytes_per_sequence"]), "[" + ", ".join(map(str, group["chunk_shape"])) + "]",
             _number(group["chunk_bytes"]),
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvgroups.core.cache_specs import spec_from_dict
 from kvgroups.core.dtypes import dtype_name
 from kvgroups.core.formatting import compact_ranges
 from kvgroups.core.groups import KVLayerGroupInfo
@@ -61,6 +62,16 @@ class GroupReport:
         }
 
 
+def costs_of(groups: list[dict[str, Any]], cross_attention: dict[str, Any] | None) -> list[GroupCost]:
+    """What each group (as the JSON report lists it), then the images of cross-attention layers,
+    cost per token and per sequence: what capacities and the plot are computed from."""
+    costs = [GroupCost(spec=spec_from_dict(group["spec"]), bytes_per_token=group["bytes_per_token"],
+                       bytes_per_sequence=group["bytes_per_sequence"]) for group in groups]
+    if cross_attention is not None and cross_attention["bytes_per_sequence"]:
+        costs.append(GroupCost(spec=None, bytes_per_token=0, bytes_per_sequence=cross_attention["bytes_per_sequence"]))
+    return costs
+
+
 def _cross_attention_dict(cross: CrossAttention | None) -> dict[str, Any] | None:
     if cross is None:
         return None
@@ -105,15 +116,8 @@ class Report:
         return sum(row.chunk_bytes for row in self.groups)
 
     def costs(self) -> list[GroupCost]:
-        costs = [
-            GroupCost(spec=row.group.spec, bytes_per_token=row.bytes_per_token,
-                      bytes_per_sequence=row.bytes_per_sequence)
-            for row in self.groups
-        ]
-        cross = self.build.cross_attention
-        if cross is not None and cross.bytes_per_sequence:
-            costs.append(GroupCost(spec=None, bytes_per_token=0, bytes_per_sequence=cross.bytes_per_sequence))
-        return costs
+        return costs_of([row.to_dict(index) for index, row in enumerate(self.groups)],
+                        _cross_attention_dict(self.build.cross_attention))
 
     def memory_for_tokens(self, *, hybrid: bool) -> int | None:
         if self.params.tokens is None:

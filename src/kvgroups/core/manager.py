@@ -57,9 +57,9 @@ class KVLayerGroupsManager:
         by_name: dict[str, KVLayerGroupInfo] = {}
         object.__setattr__(self, "_by_index", by_index)
         object.__setattr__(self, "_by_name", by_name)
-        # The lookups are the index dicts' own get: a hit or a miss runs no Python frame. The
-        # indexes are therefore kept current on every edit, and updated in place, since a caller
-        # may hold the bound lookup.
+        # The lookups are the index dicts' own get (see get_group_by_layer_idx). The indexes are
+        # therefore kept current on every edit, and updated in place, since a caller may hold the
+        # bound lookup.
         object.__setattr__(self, "get_group_by_layer_idx", by_index.get)
         object.__setattr__(self, "get_group_by_layer_name", by_name.get)
         self._reindex()
@@ -111,12 +111,16 @@ class KVLayerGroupsManager:
         _swap_in(self.__dict__["_by_index"], by_index)
         _swap_in(self.__dict__["_by_name"], by_name)
 
+    # Why these two are written here and never run on an instance: every instance binds its index
+    # dicts' own ``get`` under these names (``_bind_indexes``), so a lookup runs no Python frame. The
+    # bodies give the API its signatures and docs, and answer the same when called on the class
+    # (``KVLayerGroupsManager.get_group_by_layer_idx(manager, 3)``).
     def get_group_by_layer_idx(self, layer_idx: int) -> KVLayerGroupInfo | None:
-        """The group holding layer ``layer_idx``, or None (answered by the instance's index; see _bind_indexes)."""
+        """The group holding layer ``layer_idx``, or None; O(1)."""
         return self.__dict__["_by_index"].get(layer_idx)  # type: ignore[no-any-return]
 
     def get_group_by_layer_name(self, layer_name: str) -> KVLayerGroupInfo | None:
-        """The group holding layer ``layer_name``, or None."""
+        """The group holding layer ``layer_name``, or None; O(1)."""
         return self.__dict__["_by_name"].get(layer_name)  # type: ignore[no-any-return]
 
     def get_layer_shape(self, layer_idx: int) -> torch.Size | None:
