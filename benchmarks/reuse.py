@@ -25,26 +25,10 @@ import torch
 import transformers
 
 from kvgroups.integrations.transformers import PrefixCache
-from local_redis import local_redis
+from models import gemma3_like, llama_like
+from servers import local_redis
 
 PROMPT, SHARED, CHUNK = 4096, 3840, 256
-
-
-def llama_like() -> Any:
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
-
-
-def gemma3_like() -> Any:
-    config = transformers.Gemma3TextConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, sliding_window=1024, max_position_embeddings=8192,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
 def plain_prefill(model: Any, ids: torch.Tensor) -> None:

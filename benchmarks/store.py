@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvgroups.core.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
-from local_redis import local_redis
+from servers import local_redis
 
 Action = Callable[[int], object]
 

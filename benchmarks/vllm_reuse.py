@@ -30,14 +30,9 @@ OFF = {"kvgroups": {"load": False, "save": False}}
 
 
 def save_model(directory: Path) -> None:
-    import torch
-    import transformers
+    from models import save_llama_like
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    save_llama_like(directory)
 
 
 def engine_run(model: str, store: str | None, rounds: int, out: str) -> None:

@@ -16,11 +16,19 @@ import pytest
 SERVERS = ("valkey-server", "redis-server")
 
 
-def server_binary() -> str:
+def installed_server() -> str | None:
+    """The path of valkey-server (preferred) or redis-server, None where neither is installed."""
     for name in SERVERS:
         found = shutil.which(name)
         if found:
             return found
+    return None
+
+
+def server_binary() -> str:
+    found = installed_server()
+    if found:
+        return found
     if os.environ.get("KVGROUPS_SKIP_REDIS") == "1":
         pytest.skip("no valkey-server or redis-server (KVGROUPS_SKIP_REDIS=1)")
     raise RuntimeError("the Redis tier's tests need a real server: apt-get install redis-server (make test does)")

@@ -1,0 +1,44 @@
+"""The models the reuse benchmarks share: random-weight, sized for a CPU, built from a fixed seed.
+
+``LLAMA_LIKE`` is the model of ``reuse.py`` (transformers) and of ``vllm_reuse.py`` /
+``vllm_serving.py`` (vLLM's CPU engine): 8 layers, hidden 1024, 16 heads, 8 KV heads, vocab 32000,
+32 KiB of float32 K/V per token. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+LLAMA_LIKE: dict[str, Any] = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
+                                  tie_word_embeddings=False)
+GEMMA3_LIKE: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=64, sliding_window=1024, max_position_embeddings=8192,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+)
+
+
+def build(model_type: str, fields: dict[str, Any]) -> Any:
+    """A float32 transformers model of ``model_type`` with ``fields``, weights drawn from seed 0."""
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                         dtype=torch.float32).eval()
+
+
+def llama_like() -> Any:
+    return build("llama", LLAMA_LIKE)
+
+
+def gemma3_like() -> Any:
+    return build("gemma3_text", GEMMA3_LIKE)
+
+
+def save_llama_like(directory: Path) -> None:
+    """``LLAMA_LIKE`` as a local model directory (safetensors) for an engine to load."""
+    llama_like().save_pretrained(directory, safe_serialization=True)

@@ -1,0 +1,23 @@
+"""The benchmarks' Valkey/Redis servers: the test suite's own (``tests/servers.py``), or none where no
+server is installed (the benchmark then leaves its Redis rows out)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.servers import installed_server, running_server
+
+
+@contextmanager
+def local_redis(directory: Path) -> Iterator[str | None]:
+    """A ``redis://`` URL of a server running in ``directory``, or None where none is installed."""
+    if installed_server() is None:
+        yield None
+        return
+    with running_server(directory) as server:
+        yield server.url
