@@ -21,9 +21,9 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
     return code, captured.out, captured.err
 
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
-# The warnings the README documents (its inspect section lists each one).
-DOCUMENTED_WARNINGS = re.findall(r"^- warning: `(.+?)`", README, flags=re.MULTILINE)
+INSPECT_DOCS = (Path(__file__).parents[1] / "docs" / "inspect.md").read_text()
+# The warnings the inspect reference documents (its Warnings section lists each one).
+DOCUMENTED_WARNINGS = re.findall(r"^- warning: `(.+?)`", INSPECT_DOCS, flags=re.MULTILINE)
 
 
 @pytest.mark.parametrize("tp", ["1", "2", "8"])
@@ -75,7 +75,7 @@ def test_table_and_json_carry_the_same_numbers(capsys: pytest.CaptureFixture[str
 def test_json_keys_are_the_documented_ones(capsys: pytest.CaptureFixture[str], name: str) -> None:
     _, out, _ = run_main(capsys, "inspect", name, "--memory", "8", "--tokens", "4096", "--images", "1", "--json")
     report = json.loads(out)
-    documented = set(re.findall(r"^\| `([a-z_.\[\]]+)`", README, flags=re.MULTILINE))
+    documented = set(re.findall(r"^\| `([a-z_.\[\]]+)`", INSPECT_DOCS, flags=re.MULTILINE))
     keys = set(report) | {f"engine.{k}" for k in report["engine"]} | {f"totals.{k}" for k in report["totals"]}
     keys |= {f"groups[].{k}" for k in report["groups"][0]} | {f"layers.{k}" for k in report["layers"]}
     keys |= {f"capacity.memory.{k}" for k in report["capacity"]["memory"]}
@@ -92,7 +92,7 @@ def test_model_directory_and_path(capsys: pytest.CaptureFixture[str], tmp_path: 
     (model / "config.json").write_text(json.dumps(config))
     (tmp_path / "other.json").write_text(json.dumps(config))
     # The JSON "model" is the preset name, the directory's name, or the file's name without .json
-    # (for a file named config.json: its directory's name), as the README says.
+    # (for a file named config.json: its directory's name), as docs/inspect.md says.
     for target, name in ((str(model), "my-model"), (str(model / "config.json"), "my-model"),
                          (str(tmp_path / "other.json"), "other"), ("llama-3.1-8b", "llama-3.1-8b")):
         code, out, _ = run_main(capsys, "inspect", target, "--json")

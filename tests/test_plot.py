@@ -89,9 +89,9 @@ def test_plot_option_writes_png_and_keeps_stdout_for_results(capsys: pytest.Capt
     assert "cannot write" in capsys.readouterr().err
 
 
-def test_the_readme_picture_is_the_documented_command() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_documented_picture_is_the_documented_command() -> None:
+    documentation = (Path(__file__).parents[1] / "docs" / "inspect.md").read_text()
     command = "kvgroups inspect gemma-4-26b-a4b --tp 2 --memory 24 --seqs 4 --plot docs/gemma-4-26b-a4b-plot.png"
-    assert f"`{command}`" in readme and "(docs/gemma-4-26b-a4b-plot.png)" in readme
+    assert f"`{command}`" in documentation and "(gemma-4-26b-a4b-plot.png)" in documentation
     picture = Path(__file__).parents[1] / "docs" / "gemma-4-26b-a4b-plot.png"
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""The README's ways to enable the connector are ones vLLM and the connector accept."""
+"""The documented ways to enable the connector (README.md, docs/vllm.md) are ones vLLM and the connector accept."""
 
 from __future__ import annotations
 
@@ -15,7 +15,17 @@ from vllm.config import KVTransferConfig
 
 from kvgroups.integrations.vllm.settings import ConnectorSettings
 
-README = (Path(__file__).parents[2] / "README.md").read_text()
+ROOT = Path(__file__).parents[2]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def claimed(test: str, language: str) -> list[str]:
+    """The ``language`` blocks whose ``tested:`` marker names this file's ``test`` (at least one)."""
+    marker = f"<!-- tested: tests/vllm_connector/test_readme_vllm.py::{test} -->\n```{language}\n(.*?)```"
+    found = [block for document in DOCUMENTS
+             for block in re.findall(marker, document.read_text(), flags=re.DOTALL)]
+    assert found, f"no block names {test}"
+    return found
 
 
 def check(config: KVTransferConfig) -> ConnectorSettings:
@@ -26,17 +36,16 @@ def check(config: KVTransferConfig) -> ConnectorSettings:
 
 
 def test_the_vllm_serve_command_line() -> None:
-    (block,) = re.findall(r"```sh\n(vllm serve .*?)```", README, flags=re.DOTALL)
-    words = shlex.split(block)
-    settings = check(KVTransferConfig(**json.loads(words[words.index("--kv-transfer-config") + 1])))
-    assert settings == ConnectorSettings(stores=("file:///var/cache/kv",), chunk_size=256, salt="")
+    for block in claimed("test_the_vllm_serve_command_line", "sh"):
+        words = shlex.split(block)
+        settings = check(KVTransferConfig(**json.loads(words[words.index("--kv-transfer-config") + 1])))
+        assert settings == ConnectorSettings(stores=("file:///var/cache/kv",), chunk_size=256, salt="")
 
 
 def test_the_llm_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    (block,) = [block for block in re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
-                if "KVGroupsConnector" in block]
+    (block,) = claimed("test_the_llm_block", "python")
     engines: list[dict[str, Any]] = []
     monkeypatch.setattr(vllm, "LLM", lambda **arguments: engines.append(arguments))
-    exec(compile(block, "README.md", "exec"), {"MODEL": "a-model"})
+    exec(compile(block, "docs/vllm.md", "exec"), {"MODEL": "a-model"})
     (engine,) = engines
     assert check(engine["kv_transfer_config"]).stores == ("file:///var/cache/kv", "redis://cache-host:6379/0")

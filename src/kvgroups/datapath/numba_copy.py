@@ -1,16 +1,8 @@
 """The CPU kernel: every (plane, layer, token run) of a group copied with memcpy in one compiled call.
 
 Built with numba (``njit(nogil=True, cache=True)``) over the raw addresses of an
-:mod:`~kvgroups.datapath.address_tables` table. A call first merges the slots into runs whose
-bytes are contiguous in the cache (a whole block, or more where blocks follow each other), then
-copies the runs of every (plane, layer) four at a time in lockstep, so that a gather of scattered
-rows keeps several memory accesses in flight: one Python call for all layers, whatever the dtype
-(the copy is of bytes, fp8 included). Unpack, and pack into large chunks, write with stores that
-bypass the cache (on x86; the written rows are not read again soon, and a write that misses the
-cache otherwise reads the line first). Large calls run on several threads; small ones stay on
-one, because a parallel region on a machine whose other cores are busy stalls far longer than a
-small copy takes.
-
+:mod:`~kvgroups.datapath.address_tables` table; runs of scattered rows move four at a time in
+lockstep, unpack and large packs with stores that bypass the cache (why: docs/architecture.md).
 Importing this module imports numba; the data path does so only when the kernel is chosen.
 """
 

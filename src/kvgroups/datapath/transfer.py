@@ -75,18 +75,27 @@ def _bind_layers(
 class KVTransfer:
     """Groups bound to an engine's caches: checked once, then any number of ``pack`` / ``unpack`` calls.
 
-    ``groups`` is a :class:`~kvgroups.KVLayerGroupsManager` or a list of its groups, as built from
-    ``kv_caches`` (layer name -> cache value). Binding checks every layer against its group
-    (shape, dtype, one device) and builds what the copies go through (address tables for the
-    numba and Triton kernels, views for the torch path); a call then checks only its own slots and
-    chunks. Bind again when the caches are reallocated or the groups change.
+    Args:
+        groups: a :class:`~kvgroups.KVLayerGroupsManager` or a list of its groups, as built from
+            ``kv_caches``.
+        kv_caches: layer name -> cache value (a tensor in the group's layout, a ``(k, v)`` pair,
+            or a recurrent layer's state tensors), the tensors the groups were built from.
+        kernel: ``"numba"``, ``"triton"`` or ``"torch"`` to force one (default: ``$KVGROUPS_KERNEL``,
+            else the fastest that runs on the caches' device, see :mod:`kvgroups.datapath.kernels`).
+        num_threads: caps the CPU kernel's threads (default: ``torch.get_num_threads()`` at each
+            call; calls under 4 MiB use one thread).
 
-    ``kernel`` forces ``"numba"``, ``"triton"`` or ``"torch"`` (default: ``$KVGROUPS_KERNEL``, else
-    the fastest that runs on the caches' device, see :mod:`kvgroups.datapath.kernels`);
-    ``kernels`` lists the one serving each group. ``num_threads`` caps the CPU kernel's threads
-    (default: ``torch.get_num_threads()`` at each call; calls under 4 MiB use one thread).
-    ``pack`` without ``out=`` returns chunks in memory it reuses once the caller has dropped
-    every earlier chunk of that size (a loop over chunks then page-faults nothing).
+    Raises:
+        TypeError: ``groups`` or ``kv_caches`` of the wrong type.
+        KVGroupsError: a layer the groups name is missing, or does not match its group (shape,
+            dtype, layout), layers on several devices, a bad kernel or thread count.
+
+    Binding builds what the copies go through (address tables for the numba and Triton kernels,
+    views for the torch path); a call then checks only its own slots and chunks. Bind again when
+    the caches are reallocated or the groups change (a reallocation is detected at the next
+    call). ``kernels`` lists the kernel serving each group. ``pack`` without ``out=`` returns
+    chunks in memory it reuses once the caller has dropped every earlier chunk of that size (a
+    loop over chunks then page-faults nothing).
     """
 
     def __init__(self, groups: Groups, kv_caches: Mapping[str, Any], *, kernel: str | None = None,

@@ -2,18 +2,10 @@
 
 One format for every engine: ``{name}|{weights}|{engine}-{major.minor}[|{fact}...]``, where
 ``weights`` is ``weights-{digest}`` (32 hex digits of a SHA-256 over sampled weight bytes) or, for
-a hub model known only by name, ``commit-{sha}`` / ``revision-{name}``. The engine's version and
-any fact that changes the KV bytes (dtype, quantization) follow. The digest has two sources:
-
-- tensors in memory (:func:`tensors_digest`, for transformers' ``PrefixCache``): every parameter's
-  and buffer's name, shape, dtype, and its first and last 4 KiB;
-- files on disk (:func:`files_digest`, for vLLM's model directory): ``config.json`` whole, and
-  every weight file's relative name, size and 16 evenly spaced 4 KiB samples.
-
-Both read a few MiB whatever the model's size. A fine-tune changes nearly every block of its
-weights, so a sample sees it; a copy on another node has the same bytes, so its engines share
-chunks (names, paths and modification times would keep them apart). Models that differ only in
-the middle of a tensor need different salts.
+a hub model known only by name, ``commit-{sha}`` / ``revision-{name}``; then the engine's version
+and any fact that changes the KV bytes (dtype, quantization). The digest's two sources, tensors in
+memory (:func:`tensors_digest`) and files on disk (:func:`files_digest`), read a few MiB whatever
+the model's size (why that tells fine-tunes apart and lets copies share: docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -63,7 +63,20 @@ def token_array(token_ids: TokenIds) -> np.ndarray:
 
 
 def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes) -> list[str]:
-    """One hex key per full chunk of ``chunk_size`` tokens; a partial trailing chunk has none."""
+    """One key per full chunk of ``token_ids``: key ``i`` names tokens ``[0, (i + 1) * chunk_size)``.
+
+    Args:
+        token_ids: the tokens, a 1-D sequence, array or integer tensor of ids in ``[0, 2**32)``.
+        chunk_size: tokens per chunk; a partial trailing chunk has no key.
+        namespace: what the keys are bound to (:func:`chunk_namespace`: model, ranks, chunk size, salt).
+
+    Returns:
+        64-digit hex SHA-256 keys, the same in every process and on every machine.
+
+    Raises:
+        KVGroupsError: a chunk size below 1, or token ids outside ``[0, 2**32)``.
+        TypeError: token ids that are not a 1-D sequence of ints, or a namespace that is not str/bytes.
+    """
     int_at_least("chunk_size", chunk_size, 1)
     if isinstance(namespace, str):
         namespace = namespace.encode("utf-8")

@@ -89,8 +89,22 @@ _OPENERS: Mapping[str, Callable[[str, str, str], ByteStore]] = {
 
 
 def open_store(url: StoreArg) -> ByteStore:
-    """The store ``url`` names; a list of URLs is a tiered store, fastest first (a list of one is
-    that store); a store is itself."""
+    """The byte store a URL names.
+
+    Args:
+        url: ``memory://``, ``file:///dir``, ``redis://host:port/db``, ``rediss://...``,
+            ``unix:///path.sock`` (options after ``?``, see the module docstring); a list of
+            them is a tiered store, fastest first (a list of one is that store); a
+            :class:`ByteStore` is returned as it is.
+
+    Returns:
+        The store, open; close it (or use it as a context manager) when done.
+
+    Raises:
+        KVGroupsError: an unknown scheme, option or value, naming it.
+        TypeError: ``url`` is neither a str, a list of str nor a store.
+        StoreError: the store cannot be opened (a directory that cannot be created, no redis client).
+    """
     if isinstance(url, ByteStore):
         return url
     if isinstance(url, (list, tuple)):

@@ -39,7 +39,18 @@ def _tensor_parallel_rank() -> int:
 
 
 class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
-    """Prefix KV of every vLLM KV-cache group (full, sliding, chunked, MLA, mamba) in a kvgroups chunk store."""
+    """Prefix KV of every vLLM KV-cache group (full, sliding, chunked, MLA, mamba) in a kvgroups chunk store.
+
+    vLLM builds it (``kv_connector="KVGroupsConnector"``, ``kv_connector_module_path=
+    "kvgroups.integrations.vllm"``) once per role: ``vllm_config.kv_transfer_config.
+    kv_connector_extra_config`` holds ``store`` (a URL or a tier list), ``chunk_size`` and ``salt``.
+
+    Raises:
+        ConnectorConfigError: the extra config is not what the connector takes.
+        UnsupportedCacheError: a cache the connector cannot restore exactly (pipeline or
+            decode-context parallelism, unchecked attention backends, quantization with scales
+            outside the page, groups excluded from KV transfer), naming the layer and why.
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
