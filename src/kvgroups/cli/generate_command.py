@@ -39,6 +39,9 @@ def add_generate_command(commands: Any) -> None:
     generate.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     generate.add_argument("--chunk-size", type=positive_int, default=256, help="tokens per stored chunk (default 256)")
     generate.add_argument("--salt", default="", help="tenant salt: chunks are reused only under the same salt")
+    generate.add_argument("--secret-file", help="the deployment's secret (else $KVGROUPS_STORE_SECRET): keyed keys "
+                                                "and a MAC on every entry")
+    generate.add_argument("--encrypt", action="store_true", help="encrypt the entries saved (needs a secret)")
     generate.set_defaults(run=run_generate)
 
 
@@ -78,9 +81,12 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace, console: Console) -> int:
-    from kvgroups.store import open_store  # noqa: PLC0415 - the other commands start without it
+    from kvgroups.store import StoreSecret, open_store  # noqa: PLC0415 - the other commands start without it
 
     # Everything that can be checked without loading the model is checked first.
+    args.secret = StoreSecret.from_file(args.secret_file) if args.secret_file else StoreSecret.resolve(None)
+    if args.encrypt and args.secret is None:
+        raise KVGroupsError("--encrypt needs a secret: --secret-file FILE, or $KVGROUPS_STORE_SECRET")
     directory = Path(args.model)
     if not (directory / "config.json").is_file():
         raise KVGroupsError(f"{args.model}: not a model directory (no config.json)")
@@ -107,7 +113,8 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     ids = torch.tensor(given_ids if given_ids is not None else _prompt_ids(args, tokenizer), dtype=torch.int64)
     errors = Console(stderr=True)
-    with PrefixCache(model, store, chunk_size=args.chunk_size, salt=args.salt) as cache, \
+    with PrefixCache(model, store, chunk_size=args.chunk_size, salt=args.salt, secret=args.secret,
+                     encrypt=args.encrypt) as cache, \
             Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=errors, transient=True) as progress:
         task = progress.add_task("prefill", total=len(ids))

@@ -1,8 +1,11 @@
 """``kvgroups store stats|verify|clear URL``: what a chunk store holds, whether every entry is whole.
 
 ``verify`` exits 1 when it found bad entries (they are listed, and removed with ``--delete``);
-bad input, such as an unknown URL or a store that cannot be reached, exits 2 as everywhere else.
-The store package is imported only when one of these commands runs.
+``clear`` deletes nothing from a server (shared with other deployments) without ``--yes``, and
+can be limited to one metadata fingerprint. None
+of them creates a store that does not exist. Bad input, such as an unknown URL or a store that
+cannot be reached, exits 2 as everywhere else; a password in a URL is never printed. The store
+package is imported only when one of these commands runs.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ def add_store_commands(commands: Any, parser_class: type[argparse.ArgumentParser
     stats = actions.add_parser("stats", help="entries and bytes, by metadata fingerprint")
     stats.add_argument("url", help="store URL")
     stats.add_argument("--json", action="store_true", help="print JSON")
-    verify = actions.add_parser("verify", help="read every entry and check its checksum and header")
+    verify = actions.add_parser("verify", help="read every entry and check its header and checksum (or MAC)")
     verify.add_argument("url", help="store URL")
     verify.add_argument("--delete", action="store_true", help="delete the bad entries found")
     verify.add_argument("--json", action="store_true", help="print JSON")
-    clear = actions.add_parser("clear", help="delete every kvgroups entry of the store")
+    clear = actions.add_parser("clear", help="delete kvgroups' entries of the store (all, or one fingerprint's)")
     clear.add_argument("url", help="store URL")
+    clear.add_argument("--fingerprint", help="delete only the entries of this metadata fingerprint")
+    clear.add_argument("--yes", action="store_true", help="really delete from a server shared with others (without "
+                                                           "it, only say what would go)")
     for action in (stats, verify, clear):
+        action.add_argument("--secret-file", help="the deployment's secret (else $KVGROUPS_STORE_SECRET): "
+                                                  "verify checks entries' MACs with it")
         action.set_defaults(run=run_store_command)
 
 
@@ -77,7 +85,7 @@ def _progress() -> Progress:
                     console=Console(stderr=True), transient=True)
 
 
-def _verify(store: Any, delete: bool) -> dict[str, Any]:
+def _verify(store: Any, delete: bool, secret: Any) -> dict[str, Any]:
     from kvgroups.store.codec import CorruptEntryError, decode_entry, read_header  # noqa: PLC0415
 
     keys = list(store.iter_keys())
@@ -92,7 +100,7 @@ def _verify(store: Any, delete: bool) -> dict[str, Any]:
                 continue  # evicted meanwhile
             checked += 1
             try:
-                decode_entry(value)
+                decode_entry(value, secret=secret)
                 named = read_header(value)["__metadata__"].get("key")
                 if named != key:
                     raise CorruptEntryError(f"entry says it is {named!r}")
@@ -103,13 +111,25 @@ def _verify(store: Any, delete: bool) -> dict[str, Any]:
     return {"url": store.url, "checked": checked, "bad": bad, "deleted": len(bad) if delete else 0}
 
 
-def run_store_command(args: argparse.Namespace, console: Console) -> int:
-    from kvgroups.store import open_store  # noqa: PLC0415 - keeps the other commands' start fast
+def _clear(store: Any, fingerprint: str | None, really: bool) -> tuple[int, str]:
+    """Delete every entry (of ``fingerprint``), or with ``really`` False count what would go."""
+    if fingerprint is None and really:
+        return store.clear(), "deleted"
+    keys = [key for key in store.iter_keys() if fingerprint is None or _fingerprint(store, key) == fingerprint]
+    if not really:
+        return len(keys), "would delete (pass --yes to delete)"
+    return sum(bool(store.delete(key)) for key in keys), "deleted"
 
-    with open_store(args.url) as store:
+
+def run_store_command(args: argparse.Namespace, console: Console) -> int:
+    from kvgroups.store import StoreSecret, open_store  # noqa: PLC0415 - keeps the other commands' start fast
+
+    secret = StoreSecret.from_file(args.secret_file) if args.secret_file else StoreSecret.resolve(None)
+    with open_store(args.url, create=False) as store:
         if args.store_command == "clear":
-            count = store.clear()
-            sys.stdout.write(f"deleted {count} entries from {store.url}\n")
+            count, done = _clear(store, args.fingerprint, args.yes or not store.shared)
+            scope = f" of fingerprint {args.fingerprint}" if args.fingerprint else ""
+            sys.stdout.write(f"{done} {count} entries{scope} from {store.url}\n")
             return 0
         if args.store_command == "stats":
             report = _stats(store)
@@ -123,7 +143,7 @@ def run_store_command(args: argparse.Namespace, console: Console) -> int:
                 table.add_row(row["fingerprint"], f"{row['entries']:,}", f"{row['bytes']:,}")
             console.print(table)
             return 0
-        report = _verify(store, args.delete)
+        report = _verify(store, args.delete, secret)
         if args.json:
             sys.stdout.write(json.dumps(report, indent=2) + "\n")
         else:

@@ -10,6 +10,7 @@ is never overwritten behind its holder's back.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -51,3 +52,53 @@ class ChunkPool:
     def clear(self) -> None:
         """Forget every pooled storage (the memory goes once no chunk holds it)."""
         self._storages.clear()
+
+
+class HostBufferPool:
+    """Host memory for chunks on their way to a store: at most ``max_bytes``, pinned when the caches
+    are on an accelerator (so that copies out of device memory are asynchronous DMA).
+
+    Saves hold their chunks here rather than in device memory, outside the engine's accounting;
+    :meth:`take` hands out buffers while the budget allows (None when it does not: the caller
+    drops that save) and :meth:`give_back` returns them for reuse.
+    """
+
+    def __init__(self, max_bytes: int, pin: bool) -> None:
+        self.max_bytes = max_bytes
+        self.pin = pin
+        self.held_bytes = 0  # allocated, in use or free
+        self._free: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shapes: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
+        """One buffer per ``(shape, dtype)``, all or none (None: over the budget)."""
+        with self._lock:
+            taken: list[torch.Tensor] = []
+            for shape, dtype in shapes:
+                free = self._free.get((shape, dtype))
+                if free:
+                    taken.append(free.pop())
+                    continue
+                needed = math.prod(shape) * dtype.itemsize
+                if self.held_bytes + needed > self.max_bytes:
+                    self._drop_free()
+                if self.held_bytes + needed > self.max_bytes:
+                    self._release(taken)
+                    return None
+                self.held_bytes += needed
+                taken.append(torch.empty(shape, dtype=dtype, pin_memory=self.pin))
+            return taken
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._release(buffers)
+
+    def _release(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self._free.setdefault((buffer.shape, buffer.dtype), []).append(buffer)
+
+    def _drop_free(self) -> None:
+        """Let go of every free buffer (other shapes may need the room)."""
+        for buffers in self._free.values():
+            self.held_bytes -= sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+        self._free.clear()

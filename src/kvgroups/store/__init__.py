@@ -4,7 +4,7 @@
 in it, per group, keyed by ``prefix_keys``.
 """
 
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreStats
+from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreFullError, StoreStats, StoreTimeoutError
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
 from kvgroups.store.files import FileStore
@@ -12,6 +12,7 @@ from kvgroups.store.keys import chunk_namespace, prefix_keys
 from kvgroups.store.memory import MemoryStore
 from kvgroups.store.prefixes import GroupPrefix, LoadedPrefix
 from kvgroups.store.redis_store import RedisStore
+from kvgroups.store.secret import StoreSecret
 from kvgroups.store.tiered import TieredStore
 from kvgroups.store.urls import open_store
 
@@ -27,7 +28,10 @@ __all__ = [
     "MemoryStore",
     "RedisStore",
     "StoreError",
+    "StoreFullError",
+    "StoreSecret",
     "StoreStats",
+    "StoreTimeoutError",
     "TieredStore",
     "chunk_namespace",
     "decode_entry",

@@ -1,9 +1,11 @@
 """What every byte store offers: put/get/contains/delete of values by key, batch forms, listing.
 
-A byte store keeps opaque values (stored entries) under string keys. Failures of the medium (a
-server that is down, a disk that is full) raise :class:`StoreError`; a value the tier cannot take
-raises :class:`EntryTooLargeError`. The chunk store turns both into misses; it never lets them
-reach a request.
+A byte store keeps opaque values (stored entries) under string keys. Failures of the medium raise
+:class:`StoreError` (:class:`StoreTimeoutError` for a server that does not answer in time,
+:class:`StoreFullError` for a medium that stays full after eviction); a value the tier cannot
+take raises :class:`EntryTooLargeError`. The chunk store turns all of them into misses; it never
+lets them reach a request. Reads take ``max_bytes``: a value longer than that is returned cut to
+``max_bytes + 1`` bytes, so a caller sees it is too long without a tier reading all of it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ class StoreError(OSError):
     """A store could not be read or written (unreachable, full, refused); callers degrade to a miss."""
 
 
+class StoreTimeoutError(StoreError):
+    """A store did not answer within its timeout (a hung server, a saturated connection pool)."""
+
+
+class StoreFullError(StoreError):
+    """A store's medium stayed full after evicting down to its low watermark."""
+
+
 class EntryTooLargeError(KVGroupsError):
     """A value is larger than the tier accepts; the message says both sizes."""
 
@@ -34,12 +44,15 @@ class ByteStore(abc.ABC):
     """Values by key. Thread-safe; the batch forms exist where a tier does them in one round trip."""
 
     url: str
+    # Whether other deployments may keep their entries here too (a server): clearing it then asks first.
+    shared = False
 
     @abc.abstractmethod
     def put(self, key: str, value: Value) -> None: ...
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """The value under ``key`` (cut to ``max_bytes + 1`` bytes when longer), None when absent."""
 
     @abc.abstractmethod
     def contains(self, key: str) -> bool: ...
@@ -60,15 +73,15 @@ class ByteStore(abc.ABC):
         for key, value in items:
             self.put(key, value)
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self.get(key) for key in keys]
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+        return [self.get(key, max_bytes) for key in keys]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains(key) for key in keys]
 
     def get_prefix(self, key: str, num_bytes: int) -> bytes | None:
         """The first ``num_bytes`` bytes of a value (an entry's header), None when absent."""
-        value = self.get(key)
+        value = self.get(key, num_bytes)
         return None if value is None else value[:num_bytes]
 
     def stats(self) -> StoreStats:
@@ -91,10 +104,16 @@ class ByteStore(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
+        # ``url`` never holds a password (tiers mask it), so it is safe to show.
         return f"{type(self).__name__}({self.url!r})"
 
 
 Value = bytes | bytearray | memoryview
+
+
+def cut(value: bytes, max_bytes: int | None) -> bytes:
+    """``value``, or its first ``max_bytes + 1`` bytes when it is longer than ``max_bytes``."""
+    return value if max_bytes is None or len(value) <= max_bytes else value[:max_bytes + 1]
 
 
 def check_value(key: object, value: object) -> Value:

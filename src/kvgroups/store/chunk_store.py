@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -22,14 +22,17 @@ from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import ByteStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
-from kvgroups.store.health import Backoff
+from kvgroups.store.health import Backoff, RateLimitedLog
 from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes, token_array
 from kvgroups.store.prefixes import LoadedPrefix, assemble, needed_chunks, servable_chunks
+from kvgroups.store.secret import StoreSecret
 from kvgroups.store.urls import StoreArg, open_store
 from kvgroups.store.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
+# Saves the background writer may hold before it drops new ones (counted).
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
 # A stored prefix is retried at most this many times, each at a shorter boundary, when entries fail to load.
 _LOAD_ATTEMPTS = 4
 
@@ -42,6 +45,7 @@ class ChunkStoreStats:
     dropped_saves: int = 0
     failed_reads: int = 0
     corrupt_entries: int = 0
+    failed_saves: int = 0
     bytes_read: list[int] = field(default_factory=list)  # per group
 
 
@@ -55,8 +59,14 @@ class KVChunkStore:
             of URLs (tiers, fastest first) or a :class:`~kvgroups.store.ByteStore`. A store
             opened from URLs here is closed by :meth:`close`; a store passed in is the caller's.
         salt: the tenant's salt: chunks saved under one salt are never served under another.
-        max_pending: saves queued for the background writer before a save waits for room.
-        save_wait_seconds: how long a save waits for room before it is dropped (counted).
+        secret: the deployment's secret (str, bytes or a :class:`~kvgroups.store.StoreSecret`;
+            None reads ``$KVGROUPS_STORE_SECRET`` when set). With one, keys are keyed (nobody
+            without it can compute or confirm one) and every entry carries a MAC (an entry written
+            without it is a miss). Without one, whoever can read the store can read prompts' KV and
+            whoever can write it can change answers.
+        encrypt: also encrypt every entry's bytes (AES-256-GCM; needs a secret).
+        max_pending_bytes: bytes of saves the background writer may hold; a save beyond it is
+            dropped at once (counted), never waited for.
 
     Raises:
         TypeError: ``metadata`` is not an ``LMCacheMetadata``.
@@ -64,7 +74,8 @@ class KVChunkStore:
     """
 
     def __init__(self, metadata: LMCacheMetadata, store: StoreArg, *, salt: str | bytes = "",
-                 max_pending: int = 64, save_wait_seconds: float = 10.0) -> None:
+                 secret: str | bytes | StoreSecret | None = None, encrypt: bool = False,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         if not isinstance(metadata, LMCacheMetadata):
             raise TypeError(f"metadata must be an LMCacheMetadata, got {type(metadata).__name__}")
         groups = list(metadata.kv_layer_groups_manager.kv_layer_groups)
@@ -74,11 +85,16 @@ class KVChunkStore:
         self.chunk_size = metadata.chunk_size
         self.fingerprint = metadata.fingerprint()
         self.namespace = chunk_namespace(metadata, salt)
+        self.secret = StoreSecret.resolve(secret)
+        if encrypt and self.secret is None:
+            raise KVGroupsError("encrypt=True needs a secret (secret=, or $KVGROUPS_STORE_SECRET)")
+        self.encrypt = encrypt
         self._owns_store = not isinstance(store, ByteStore)
         self.store = open_store(store)
         self.stats = ChunkStoreStats(bytes_read=[0] * len(groups))
-        self._writer = BackgroundWriter(max_pending, save_wait_seconds)
-        self._backoff = Backoff(self.store.url)
+        self._writer = BackgroundWriter(max_pending_bytes)
+        self._log = RateLimitedLog(logger)
+        self._backoff = Backoff(self.store.url, self._log)
 
     # --- keys and needs -------------------------------------------------------------------
     def keys(self, token_ids: TokenIds, *, request_salt: str | bytes = "") -> list[str]:
@@ -90,7 +106,7 @@ class KVChunkStore:
         """
         request_salt = salt_bytes(request_salt, "request_salt")
         namespace = self.namespace + b"\0request-salt\0" + request_salt if request_salt else self.namespace
-        return prefix_keys(token_ids, self.chunk_size, namespace)
+        return prefix_keys(token_ids, self.chunk_size, namespace, secret=self.secret)
 
     @staticmethod
     def entry_key(prefix_key: str, group_index: int) -> str:
@@ -133,12 +149,16 @@ class KVChunkStore:
             raise KVGroupsError(f"save got {len(tensors)} tensors for {len(self.groups)} groups; pass one per group")
         self.save_chunk(keys[chunk_index], chunk_index, dict(enumerate(tensors)))
 
-    def save_chunk(self, key: str, chunk_index: int, tensors: Mapping[int, torch.Tensor]) -> None:
-        """Save the entries of some groups (``group index -> tensor``) of the chunk whose prefix key is ``key``.
+    def save_chunk(self, key: str, chunk_index: int, tensors: Mapping[int, torch.Tensor], *,
+                   release: Callable[[], None] | None = None) -> bool:
+        """Save the entries of some groups (``group index -> tensor``) of the chunk whose prefix key is
+        ``key``; whether the save was queued (False: dropped and counted, the store being backed off
+        or the writer's queue full).
 
         What :meth:`save` does for every group; a caller that has only some groups' data for a
         chunk (a sliding window that moved on, a state that is not at this boundary) saves those,
-        and lookups treat the others as missing.
+        and lookups treat the others as missing. ``release`` is called once the tensors are no
+        longer needed (written, failed or dropped), so a caller can reuse their memory.
         """
         int_at_least("chunk_index", chunk_index, 0)
         bad_groups = [index for index in tensors if not (isinstance(index, int) and 0 <= index < len(self.groups))]
@@ -152,27 +172,38 @@ class KVChunkStore:
                 shown = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
                 raise KVGroupsError(f"tensor for group {info.group_index} is {shown}; the group stores "
                                     f"{info.dtype} {list(info.shape)} per chunk")
-        if not infos:
-            return
-        if not self._backoff.available():
-            self.stats.dropped_saves += 1
-            return
+        queued = bool(infos) and self._backoff.available() and self._writer.submit(
+            lambda: self._write(tensors, infos, release), sum(info.tensor_bytes for info in infos))
+        if not queued:
+            if infos:
+                self.stats.dropped_saves += 1
+                self._log.warning("dropped", "chunk store %s: a save was dropped (store backed off, or %d bytes of "
+                                  "saves pending); %d dropped so far", self.store.url, self._writer.pending_bytes,
+                                  self.stats.dropped_saves)
+            if release is not None:
+                release()
+        return queued
 
-        def write() -> None:
-            values = [(info.key, encode_entry(tensors[info.group_index], info)) for info in infos]
-            try:
-                self.store.put_many(values)
-            except OSError as error:
-                self._failed("save", error)
-                raise
-            self.stats.saved_chunks += 1
+    def _write(self, tensors: Mapping[int, torch.Tensor], infos: list[EntryInfo],
+               release: Callable[[], None] | None) -> None:
+        try:
+            values = [(info.key, encode_entry(tensors[info.group_index], info, secret=self.secret,
+                                              encrypt=self.encrypt)) for info in infos]
+        finally:
+            if release is not None:
+                release()  # encoded: the tensors' memory may be reused
+        try:
+            self.store.put_many(values)
+        except OSError as error:
+            self.stats.failed_saves += 1
+            self._failed("save", error)
+            raise
+        self.stats.saved_chunks += 1
 
-        if not self._writer.submit(write):
-            self.stats.dropped_saves += 1
-
-    def flush(self) -> None:
-        """Wait until every save so far is written (or has failed and been logged)."""
-        self._writer.flush()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save so far is written (or has failed and been logged), up to ``timeout``
+        seconds; whether they all were."""
+        return self._writer.flush(timeout)
 
     # --- lookup and load ------------------------------------------------------------------
     def lookup(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None) -> int:
@@ -262,7 +293,8 @@ class KVChunkStore:
             for group in range(len(self.groups)) for chunk in self.needed_chunks(group, num_chunks)
         ]
         try:
-            values = self.store.get_many([info.key for info in wanted])
+            values = self.store.get_many([info.key for info in wanted],
+                                         max((info.max_entry_bytes for info in wanted), default=0))
         except OSError as error:
             self._failed("load", error)
             return None
@@ -273,24 +305,26 @@ class KVChunkStore:
                 whole = False
                 continue
             try:
-                tensors[info.group_index, info.chunk_index] = decode_entry(value, info)
+                tensors[info.group_index, info.chunk_index] = decode_entry(value, info, secret=self.secret)
                 self.stats.bytes_read[info.group_index] += len(value)
             except CorruptEntryError as error:
                 whole = False
                 self.stats.corrupt_entries += 1
-                logger.warning("chunk store %s: entry %s is corrupt, deleting it: %s", self.store.url, info.key, error)
+                self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
+                                  self.store.url, self.stats.corrupt_entries, error)
                 # If the delete fails it stays unusable all the same: every read checks it again.
                 with contextlib.suppress(OSError):
                     self.store.delete(info.key)
         return tensors if whole else None
 
     # --- lifetime -------------------------------------------------------------------------
-    def close(self) -> None:
-        """Write what is queued, stop the writer, and close the store when this object opened it."""
-        self._writer.flush()
-        self._writer.close()
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued (up to ``timeout`` seconds), stop the writer, and close the store when
+        this object opened it; whether every save was written."""
+        written = self._writer.close(timeout)
         if self._owns_store:
             self.store.close()
+        return written
 
     def __enter__(self) -> KVChunkStore:
         return self

@@ -1,32 +1,49 @@
-"""``file:///dir``: the embedded store, one file per entry, shared safely by processes.
+"""``file:///dir``: the embedded store, one private file per entry, shared safely by processes.
 
 Entries live under 256 fan-out directories, named by the SHA-256 of their key; each file starts
-with a small header holding its key, so the directory describes itself and a new process
-reopening it serves what earlier ones wrote. A value is written to a temporary name and renamed
-into place, so a reader sees a whole value or none, also after ``kill -9`` mid-write (stale
-temporary files are removed when a store opens). The byte budget is kept with LRU eviction by
-modification time (a hit touches its file), under an exclusive lock file, so that several
-processes sharing one directory evict together rather than against each other.
+with its key, so a new process serves what earlier ones wrote. A value is written to a temporary
+name and renamed into place (whole or absent, also after ``kill -9``). Files are 0600 and
+directories 0700 whatever the umask; nothing inside the store is reached through a symlink. The
+byte budget is kept by LRU eviction under a lock file every process shares; a full disk makes a
+write evict down to the low watermark and try once more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvgroups.core.sizes import GIB
 from kvgroups.errors import KVGroupsError
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreStats, Value, check_value
+from kvgroups.store.base import (
+    ByteStore,
+    EntryTooLargeError,
+    StoreError,
+    StoreFullError,
+    StoreStats,
+    Value,
+    check_value,
+)
+from kvgroups.store.file_io import (
+    default_budget,
+    entry_files,
+    private_directory,
+    read_exactly,
+    remove_stale_temporaries,
+    scan_entries,
+    write_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,53 +60,35 @@ _STALE_SECONDS = 600
 _LOW_WATERMARK = 0.9
 # Other processes' writes are seen at the latest after this many of our own puts.
 _RESCAN_EVERY = 256
-
-
-def _write_all(descriptor: int, parts: list[bytes | bytearray | memoryview]) -> None:
-    views = [memoryview(part).cast("B") for part in parts]
-    while views:
-        written = os.writev(descriptor, views)
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][written:]
-
-
-def _read_exactly(descriptor: int, count: int, offset: int) -> bytes:
-    data = os.pread(descriptor, count, offset)
-    if len(data) == count:
-        return data
-    parts = [data]  # a short read (a value over 2 GiB, or a file cut short): gather the rest
-    done = len(data)
-    while done < count:
-        more = os.pread(descriptor, count - done, offset + done)
-        if not more:
-            raise OSError(f"file ended {count - done} bytes early")
-        parts.append(more)
-        done += len(more)
-    return b"".join(parts)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 class FileStore(ByteStore):
-    """Entries as files under ``directory``, at most ``max_bytes`` of them (files included)."""
+    """Entries as files under ``directory``, at most ``max_bytes`` of them (files included).
 
-    def __init__(self, directory: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    ``max_bytes`` None is :func:`default_budget`. ``create`` False opens only a store that exists
+    (inspection: stats, verify, clear never create one).
+    """
+
+    def __init__(self, directory: str | Path, max_bytes: int | None = None, *, create: bool = True) -> None:
         self.directory = Path(directory)
-        self.url = f"file://{self.directory}?max_bytes={max_bytes}"
-        self.max_bytes = max_bytes
         self._root = str(self.directory)
         self._lock = threading.Lock()
-        self._claim_directory()
-        self._remove_stale_temporaries()
-        self._total = self._scan()[1]
+        self._shard_fds: dict[str, int] = {}
+        self._claim_directory(create)
+        remove_stale_temporaries(self._root, _TEMPORARY, _STALE_SECONDS)
+        held = self._scan()[1]
+        self.max_bytes = default_budget(self.directory, held, DEFAULT_MAX_BYTES) if max_bytes is None else max_bytes
+        self.url = f"file://{self.directory}?max_bytes={self.max_bytes}"
+        self._total = held
         self._puts_since_scan = 0
-        self._shards = {str(path) for path in self.directory.iterdir() if path.is_dir()}
+        self.evictions = 0
 
     # --- layout ---------------------------------------------------------------------------
-    def _claim_directory(self) -> None:
+    def _claim_directory(self, create: bool) -> None:
+        private_directory(self.directory, create)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
             marker = self.directory / MARKER
             if marker.exists():
                 described = json.loads(marker.read_text(encoding="utf-8"))
@@ -103,31 +102,46 @@ class FileStore(ByteStore):
                     f"{self.directory} is not empty and not a kvgroups store (it holds {sorted(others)[:3]}); "
                     f"use an empty directory or one kvgroups created"
                 )
-            temporary = self.directory / f"{_TEMPORARY}{os.getpid()}-{secrets.token_hex(4)}"
-            temporary.write_text(json.dumps({"format": STORE_FORMAT}), encoding="utf-8")
-            os.replace(temporary, marker)
+            temporary = f"{_TEMPORARY}{os.getpid()}-{secrets.token_hex(4)}"
+            descriptor = os.open(self.directory / temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            try:
+                write_all(descriptor, [json.dumps({"format": STORE_FORMAT}).encode("utf-8")])
+            finally:
+                os.close(descriptor)
+            os.replace(self.directory / temporary, marker)
         except (OSError, json.JSONDecodeError) as error:
             raise StoreError(f"cannot open the file store at {self.directory}: {error}") from error
 
-    def _path(self, key: str) -> str:
-        # Strings, not pathlib: this runs on every operation and pathlib costs microseconds a step.
+    @staticmethod
+    def _names(key: str) -> tuple[str, str]:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
-        return f"{self._root}/{digest[:2]}/{digest[2:]}{_SUFFIX}"
+        return digest[:2], f"{digest[2:]}{_SUFFIX}"
 
-    def _files(self) -> Iterator[Path]:
-        for shard in self.directory.iterdir():
-            if shard.is_dir() and len(shard.name) == 2:
-                yield from (path for path in shard.iterdir() if path.name.endswith(_SUFFIX))
+    def _path(self, key: str) -> str:
+        shard, name = self._names(key)
+        return f"{self._root}/{shard}/{name}"
 
-    def _remove_stale_temporaries(self) -> None:
-        cutoff = time.time() - _STALE_SECONDS
-        for shard in [self.directory, *(path for path in self.directory.iterdir() if path.is_dir())]:
-            for path in shard.glob(f"{_TEMPORARY}*"):
-                try:
-                    if path.stat().st_mtime < cutoff:
-                        path.unlink()
-                except OSError:
-                    pass  # another process removed or renamed it
+    def _shard(self, shard: str, create: bool) -> int | None:
+        """A descriptor of shard directory ``shard`` (never through a symlink); None when absent."""
+        descriptor = self._shard_fds.get(shard)
+        if descriptor is not None:
+            return descriptor
+        path = f"{self._root}/{shard}"
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as error:  # ELOOP, ENOTDIR: a symlink or a file where a shard should be
+            raise StoreError(f"{path} is not a shard directory of this store ({error.strerror}); not followed") \
+                from error
+        with self._lock:
+            kept = self._shard_fds.setdefault(shard, descriptor)
+        if kept != descriptor:
+            os.close(descriptor)
+        return kept
 
     # --- values ---------------------------------------------------------------------------
     @staticmethod
@@ -144,23 +158,18 @@ class FileStore(ByteStore):
                 f"value of {memoryview(value).nbytes} bytes for {key!r} exceeds the file store's budget of "
                 f"{self.max_bytes}"
             )
-        path = self._path(key)
-        shard = path[: path.rindex("/")]
-        temporary = f"{shard}/{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
         try:
-            if shard not in self._shards:
-                os.makedirs(shard, exist_ok=True)
-                self._shards.add(shard)
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(descriptor, [header, value])
-            finally:
-                os.close(descriptor)
-            os.replace(temporary, path)
+            self._write(key, header, value)
         except OSError as error:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise StoreError(f"cannot write {path}: {error}") from error
+            if error.errno not in _FULL:
+                raise StoreError(f"cannot write {self._path(key)}: {error}") from error
+            # The disk filled (other files, other processes): evict down to the low watermark, once.
+            self._enforce_budget(force=True)
+            try:
+                self._write(key, header, value)
+            except OSError as again:
+                kind = StoreFullError if again.errno in _FULL else StoreError
+                raise kind(f"cannot write {self._path(key)} after evicting: {again}") from again
         with self._lock:
             # A replaced entry is counted twice until the next scan: keys name content, so replacing
             # one is rare, and a budget that errs early errs on the safe side.
@@ -170,101 +179,143 @@ class FileStore(ByteStore):
         if due:
             self._enforce_budget()
 
-    def _read(self, key: str, limit: int | None) -> bytes | None:
-        path = self._path(key)
-        header = self._header(key)
+    def _write(self, key: str, header: bytes, value: Value) -> None:
+        shard, name = self._names(key)
+        directory = self._shard(shard, create=True)
+        if directory is None:
+            raise StoreError(f"{self._root}/{shard} vanished while writing")
+        temporary = f"{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
         try:
-            descriptor = os.open(path, os.O_RDONLY)
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600,
+                                 dir_fd=directory)
+            try:
+                os.fchmod(descriptor, 0o600)  # whatever the umask
+                write_all(descriptor, [header, value])
+            finally:
+                os.close(descriptor)
+            os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=directory)
+            raise
+
+    def _read(self, key: str, limit: int | None) -> bytes | None:
+        shard, name = self._names(key)
+        header = self._header(key)
+        directory = self._shard(shard, create=False)
+        if directory is None:
+            return None
+        try:
+            descriptor = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=directory)
         except FileNotFoundError:
             return None
         except OSError as error:
-            raise StoreError(f"cannot open {path}: {error}") from error
+            raise StoreError(f"cannot open {self._path(key)}: {error}") from error
         try:
             size = os.fstat(descriptor).st_size - len(header)
-            if size < 0 or _read_exactly(descriptor, len(header), 0) != header:
-                logger.warning("file store: %s does not hold %r (corrupt header); removing it", path, key)
+            if size < 0 or read_exactly(descriptor, len(header), 0) != header:
+                logger.warning("file store %s: an entry file does not hold its key (corrupt header); removing it",
+                               self.directory)
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(name, dir_fd=directory)
                 return None
-            # One read of exactly the value's size: no buffer to grow, no copy to join.
-            value = _read_exactly(descriptor, size if limit is None else min(limit, size), len(header))
+            # One read of at most the value's size: no buffer to grow, no copy to join.
+            value = read_exactly(descriptor, size if limit is None else min(limit, size), len(header))
         except OSError as error:
-            raise StoreError(f"cannot read {path}: {error}") from error
+            raise StoreError(f"cannot read {self._path(key)}: {error}") from error
         finally:
             os.close(descriptor)
         # Recency for LRU eviction, seen by every process; if the file was evicted meanwhile, the
         # value read is whole all the same.
         with contextlib.suppress(OSError):
-            os.utime(path)
+            os.utime(name, dir_fd=directory, follow_symlinks=False)
         return value
 
-    def get(self, key: str) -> bytes | None:
-        return self._read(key, None)
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        return self._read(key, None if max_bytes is None else max_bytes + 1)
 
     def get_prefix(self, key: str, num_bytes: int) -> bytes | None:
         return self._read(key, num_bytes)
 
     def contains(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
-
-    def delete(self, key: str) -> bool:
-        path = self._path(key)
+        shard, name = self._names(key)
+        directory = self._shard(shard, create=False)
+        if directory is None:
+            return False
         try:
-            size = os.stat(path).st_size
-            os.unlink(path)
+            return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
         except FileNotFoundError:
             return False
         except OSError as error:
-            raise StoreError(f"cannot delete {path}: {error}") from error
+            raise StoreError(f"cannot look up {self._path(key)}: {error}") from error
+
+    def delete(self, key: str) -> bool:
+        shard, name = self._names(key)
+        directory = self._shard(shard, create=False)
+        if directory is None:
+            return False
+        try:
+            size = os.stat(name, dir_fd=directory, follow_symlinks=False).st_size
+            os.unlink(name, dir_fd=directory)
+        except FileNotFoundError:
+            return False
+        except OSError as error:
+            raise StoreError(f"cannot delete {self._path(key)}: {error}") from error
         with self._lock:
             self._total -= size
         return True
 
     def size_of(self, key: str) -> int | None:
+        shard, name = self._names(key)
+        directory = self._shard(shard, create=False)
+        if directory is None:
+            return None
         try:
-            return os.stat(self._path(key)).st_size - len(self._header(key))
+            return os.stat(name, dir_fd=directory, follow_symlinks=False).st_size - len(self._header(key))
         except FileNotFoundError:
             return None
 
     def iter_keys(self) -> Iterator[str]:
-        for path in self._files():
+        prefix_bytes = len(_MAGIC) + _KEY_LENGTH.size
+        for entry in entry_files(self._root, _SUFFIX):
             try:
-                with open(path, "rb") as file:
-                    prefix = file.read(len(_MAGIC) + _KEY_LENGTH.size)
-                    if prefix[:len(_MAGIC)] != _MAGIC:
-                        continue
-                    (length,) = _KEY_LENGTH.unpack(prefix[len(_MAGIC):])
-                    yield file.read(length).decode("utf-8")
-            except (OSError, UnicodeDecodeError, struct.error):
-                continue  # removed meanwhile, or not ours
+                descriptor = os.open(entry.path, os.O_RDONLY | _NOFOLLOW)
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                prefix = os.pread(descriptor, prefix_bytes, 0)
+                if prefix[:len(_MAGIC)] != _MAGIC or len(prefix) != prefix_bytes:
+                    continue  # not ours
+                (length,) = _KEY_LENGTH.unpack(prefix[len(_MAGIC):])
+                yield os.pread(descriptor, min(length, 4096), prefix_bytes).decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            finally:
+                os.close(descriptor)
 
     # --- budget ---------------------------------------------------------------------------
-    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
-        files = []
-        for path in self._files():
-            try:
-                status = path.stat()
-            except FileNotFoundError:
-                continue
-            files.append((status.st_mtime, status.st_size, path))
-        return files, sum(size for _, size, _ in files)
+    def _scan(self) -> tuple[list[tuple[float, int, str]], int]:
+        return scan_entries(self._root, _SUFFIX)
 
-    def _enforce_budget(self) -> None:
-        """Evict least recently used files until the store is within its low watermark."""
+    def _enforce_budget(self, *, force: bool = False) -> None:
+        """Evict least recently used files down to the low watermark: when over the budget, or
+        (``force``, on a full disk) from whatever the store holds now."""
         try:
-            with open(self.directory / ".lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            descriptor = os.open(self.directory / ".lock", os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
                 files, total = self._scan()
-                if total > self.max_bytes:
-                    target = int(self.max_bytes * _LOW_WATERMARK)
+                target = int((total if force else self.max_bytes) * _LOW_WATERMARK)
+                if force or total > self.max_bytes:
                     for _, size, path in sorted(files):
                         if total <= target:
                             break
-                        try:
-                            path.unlink()
-                            total -= size
-                        except FileNotFoundError:
-                            total -= size
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(path)
+                            self.evictions += 1
+                        total -= size
+            finally:
+                os.close(descriptor)
         except OSError as error:
             raise StoreError(f"cannot evict from {self.directory}: {error}") from error
         with self._lock:
@@ -277,12 +328,17 @@ class FileStore(ByteStore):
 
     def clear(self) -> int:
         count = 0
-        for path in list(self._files()):
-            try:
-                path.unlink()
+        for entry in list(entry_files(self._root, _SUFFIX)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
                 count += 1
-            except FileNotFoundError:
-                pass
         with self._lock:
             self._total = self._scan()[1]
         return count
+
+    def close(self) -> None:
+        with self._lock:
+            descriptors, self._shard_fds = list(self._shard_fds.values()), {}
+        for descriptor in descriptors:
+            with contextlib.suppress(OSError):
+                os.close(descriptor)

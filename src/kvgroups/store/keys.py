@@ -1,7 +1,8 @@
 """Prefix keys: one stable key per full chunk of tokens, chained so that a key names its whole prefix.
 
-``key_i = SHA-256(key_{i-1} || tokens of chunk i)``, the tokens as fixed-width little-endian
-unsigned 32-bit integers, starting from a digest of the namespace. The namespace binds a key to
+``key_i = SHA-256(key_{i-1} || tokens of chunk i)`` (HMAC-SHA256 under a deployment secret), the
+tokens as fixed-width little-endian unsigned 32-bit integers, starting from a digest of the
+namespace. The namespace binds a key to
 everything that makes stored KV bytes interchangeable (:func:`chunk_namespace`), so the same
 tokens give the same keys in every process and on every machine, and different models, ranks,
 chunk sizes or tenants never share one. Nothing here uses Python's ``hash()``.
@@ -19,6 +20,7 @@ import torch
 from kvgroups.core.checks import int_at_least
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
+from kvgroups.store.secret import StoreSecret
 
 # Bump when what a key covers changes, so keys of different meaning never collide.
 KEY_FORMAT = "kvgroups.prefix-keys/1"
@@ -62,13 +64,16 @@ def token_array(token_ids: TokenIds) -> np.ndarray:
     return values.astype("<u4", copy=False)
 
 
-def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes) -> list[str]:
+def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes, *,
+                secret: StoreSecret | None = None) -> list[str]:
     """One key per full chunk of ``token_ids``: key ``i`` names tokens ``[0, (i + 1) * chunk_size)``.
 
     Args:
         token_ids: the tokens, a 1-D sequence, array or integer tensor of ids in ``[0, 2**32)``.
         chunk_size: tokens per chunk; a partial trailing chunk has no key.
         namespace: what the keys are bound to (:func:`chunk_namespace`: model, ranks, chunk size, salt).
+        secret: a deployment secret: the chain is then keyed (HMAC-SHA256), so that nobody without
+            the secret can compute or confirm a key; without one it is plain SHA-256.
 
     Returns:
         64-digit hex SHA-256 keys, the same in every process and on every machine.
@@ -84,9 +89,16 @@ def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes) ->
         raise TypeError(f"namespace must be a str or bytes, got {type(namespace).__name__}")
     tokens = token_array(token_ids).tobytes()
     chunk_bytes = chunk_size * 4
-    digest = hashlib.sha256(b"kvgroups-prefix-root\0" + namespace).digest()
+    root = b"kvgroups-prefix-root\0" + namespace
     keys = []
+    if secret is None:
+        digest = hashlib.sha256(root).digest()
+        for start in range(0, len(tokens) - chunk_bytes + 1, chunk_bytes):
+            digest = hashlib.sha256(digest + tokens[start:start + chunk_bytes]).digest()
+            keys.append(digest.hex())
+        return keys
+    digest = secret.chain(b"", root)
     for start in range(0, len(tokens) - chunk_bytes + 1, chunk_bytes):
-        digest = hashlib.sha256(digest + tokens[start:start + chunk_bytes]).digest()
+        digest = secret.chain(digest, tokens[start:start + chunk_bytes])
         keys.append(digest.hex())
     return keys

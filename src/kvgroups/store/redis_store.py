@@ -1,9 +1,10 @@
 """``redis://``, ``rediss://``, ``unix://``: Valkey or Redis, shared by every engine on every node.
 
 One server key per entry, under a prefix of kvgroups' own (so that ``clear`` and ``stats`` touch
-nothing else on a shared server), with an optional TTL. Batch forms are pipelined. Timeouts are
-short: a server that is down must cost a request a miss, not seconds. redis-py (which speaks to
-both Valkey and Redis) is imported when such a store is opened.
+nothing else on a shared server), with an optional TTL. Batch forms are pipelined. Connections come
+from a blocking pool sized for the threads that use it; timeouts are short: a server that is down
+or hung must cost a request a miss, not seconds. redis-py (which speaks to both Valkey and Redis)
+is imported when such a store is opened. The URL's options: :mod:`kvgroups.store.redis_settings`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvgroups.core.sizes import MIB
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, Value, check_value
+from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, StoreTimeoutError, Value, check_value
+from kvgroups.store.redis_settings import RedisSettings
 
 KEY_PREFIX = "kvgroups:"
 # What a server accepts when it does not say (Redis' and Valkey's default proto-max-bulk-len).
@@ -22,24 +24,33 @@ _DEFAULT_MAX_VALUE_BYTES = 512 * MIB
 class RedisStore(ByteStore):
     """Entries on a Valkey or Redis server through a redis-py client."""
 
-    def __init__(self, url: str, *, ttl_seconds: int | None = None, timeout_seconds: float = 2.0,
-                 unix_socket: str | None = None, db: int = 0) -> None:
+    shared = True
+
+    def __init__(self, settings: RedisSettings) -> None:
         try:
             import redis  # noqa: PLC0415 - an optional extra, loaded only for this tier
         except ImportError as error:
-            raise StoreError(f"{url} needs the redis client: pip install 'kvgroups[redis]' ({error})") from error
-        self.url = url
-        self.ttl_seconds = ttl_seconds
+            raise StoreError(f"{settings.url} needs the redis client: pip install 'kvgroups[redis]' ({error})") \
+                from error
+        self.settings = settings
+        self.url = settings.url  # masked: never holds the password
+        self.ttl_seconds = settings.ttl_seconds
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-        options: dict[str, Any] = {"socket_timeout": timeout_seconds, "socket_connect_timeout": timeout_seconds}
-        if unix_socket is not None:
-            self._client = redis.Redis(unix_socket_path=unix_socket, db=db, **options)
-        else:
-            self._client = redis.Redis.from_url(url, **options)
+        self._timeouts: tuple[type[BaseException], ...] = (redis.exceptions.TimeoutError, TimeoutError)
+        connection_class = (redis.UnixDomainSocketConnection if settings.unix_path is not None
+                            else redis.SSLConnection if settings.tls else redis.Connection)
+        # Threads beyond max_connections wait for a free connection (up to the timeout) instead of failing.
+        self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+            max_connections=settings.max_connections, timeout=settings.timeout_seconds,
+            connection_class=connection_class, **settings.connection_kwargs())
+        self._client = redis.Redis(connection_pool=self._pool)
         self._max_value_bytes: int | None = None
 
     def _fail(self, action: str, error: BaseException) -> StoreError:
-        return StoreError(f"{self.url}: cannot {action}: {type(error).__name__}: {error}")
+        # A pool that stays exhausted for the whole timeout is a timeout too (a hung server holds its connections).
+        timed_out = isinstance(error, self._timeouts) or "No connection available" in str(error)
+        kind = StoreTimeoutError if timed_out else StoreError
+        return kind(f"{self.url}: cannot {action}: {type(error).__name__}: {error}")
 
     def _limit(self) -> int:
         if self._max_value_bytes is None:
@@ -77,21 +88,26 @@ class RedisStore(ByteStore):
         except self._errors as error:
             raise self._fail(f"SET {len(checked)} keys", error) from error
 
-    def get(self, key: str) -> bytes | None:
-        try:
-            value: Any = self._client.get(KEY_PREFIX + key)
-        except self._errors as error:
-            raise self._fail(f"GET {key!r}", error) from error
-        return None if value is None else bytes(value)
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        return self.get_many([key], max_bytes)[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
         if not keys:
             return []
+        names = [KEY_PREFIX + key for key in keys]
         try:
-            values: Any = self._client.mget([KEY_PREFIX + key for key in keys])
+            if max_bytes is None:
+                values: Any = self._client.mget(names)
+                return [None if value is None else bytes(value) for value in values]
+            # At most max_bytes + 1 bytes of each: a value longer than any entry is never read whole.
+            with self._client.pipeline(transaction=False) as pipeline:
+                for name in names:
+                    pipeline.exists(name)
+                    pipeline.getrange(name, 0, max_bytes)
+                replies = pipeline.execute()
         except self._errors as error:
-            raise self._fail(f"MGET {len(keys)} keys", error) from error
-        return [None if value is None else bytes(value) for value in values]
+            raise self._fail(f"GET {len(keys)} keys", error) from error
+        return [bytes(value) if exists else None for exists, value in zip(replies[::2], replies[1::2], strict=True)]
 
     def get_prefix(self, key: str, num_bytes: int) -> bytes | None:
         try:
@@ -142,3 +158,4 @@ class RedisStore(ByteStore):
 
     def close(self) -> None:
         self._client.close()
+        self._pool.disconnect()

@@ -1,17 +1,26 @@
 """A list of stores as one: reads try them in order and copy hits into the faster ones; writes go to all.
 
-A tier that fails is skipped with a warning: a read then costs the next tier, a write lands in
-the others. Only when every tier fails does an operation raise :class:`StoreError`.
+Each tier fails alone. A tier that fails (down, hung, full) is left alone for a while
+(:class:`~kvgroups.store.health.Backoff`) and probed again after it, so a hung server costs at
+most one timeout per back-off period, not one per request; a read then costs the next tier, a
+write lands in the others. A tier that refuses a value (too large for it) never stops the others.
+A hit copied into a faster tier (promotion) that fails is counted, never raised. Only when every
+tier fails does an operation raise :class:`StoreError`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from operator import methodcaller
+from typing import TypeVar
 
-from kvgroups.store.base import ByteStore, StoreError, Value
+from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, Value
+from kvgroups.store.health import Backoff, RateLimitedLog
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class TieredStore(ByteStore):
@@ -22,91 +31,111 @@ class TieredStore(ByteStore):
             raise StoreError("a tiered store needs at least one tier")
         self.tiers = list(tiers)
         self.url = " + ".join(tier.url for tier in self.tiers)
+        self.shared = any(tier.shared for tier in self.tiers)
+        log = RateLimitedLog(logger)
+        self.health = [Backoff(tier.url, log) for tier in self.tiers]
+        self.promotion_failures = 0
+        self.refused_values = 0
 
-    def _failed(self, tier: ByteStore, action: str, error: OSError) -> None:
-        logger.warning("store tier %s failed to %s (%s); using the other tiers", tier.url, action, error)
+    def _ask(self, index: int, action: str, call: Callable[[ByteStore], _T]) -> tuple[bool, _T | None]:
+        """``call`` on tier ``index`` unless it is backed off: (whether it answered, its answer). A tier
+        that fails is backed off."""
+        health = self.health[index]
+        if not health.available():
+            return False, None
+        try:
+            return True, call(self.tiers[index])
+        except OSError as error:
+            health.failed(action, error)
+            return False, None
+
+    def _nobody(self, action: str) -> StoreError:
+        return StoreError(f"no tier could {action}: every tier failed or is backed off ({self.url})")
 
     def put(self, key: str, value: Value) -> None:
         self.put_many([(key, value)])
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
-        failures = []
-        for tier in self.tiers:
+        answered = 0
+        refusals: list[str] = []
+        for index in range(len(self.tiers)):
             try:
-                tier.put_many(items)
-            except OSError as error:
-                self._failed(tier, "write", error)
-                failures.append(error)
-        if len(failures) == len(self.tiers):
-            raise StoreError(f"every tier failed to write: {'; '.join(map(str, failures))}")
+                ok, _ = self._ask(index, "write", lambda store: store.put_many(items))
+            except EntryTooLargeError as error:
+                refusals.append(str(error))  # this tier cannot hold the value; the others still take it
+                continue
+            answered += ok
+        self.refused_values += len(refusals)
+        if len(refusals) == len(self.tiers):
+            raise EntryTooLargeError("no tier takes these values: " + "; ".join(refusals))
+        if not answered:
+            raise self._nobody("write")
 
-    def get(self, key: str) -> bytes | None:
-        return self.get_many([key])[0]
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        return self.get_many([key], max_bytes)[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
         found: list[bytes | None] = [None] * len(keys)
         missing = list(range(len(keys)))
-        failures = 0
-        for depth, tier in enumerate(self.tiers):
+        answered = 0
+        for depth in range(len(self.tiers)):
             if not missing:
                 break
-            try:
-                values = tier.get_many([keys[index] for index in missing])
-            except OSError as error:
-                self._failed(tier, "read", error)
-                failures += 1
+            asked = missing
+            names = [keys[i] for i in asked]
+            ok, values = self._ask(depth, "read", methodcaller("get_many", names, max_bytes))
+            if not ok or values is None:
                 continue
-            hits = [(index, value) for index, value in zip(missing, values, strict=True) if value is not None]
+            answered += 1
+            hits = [(index, value) for index, value in zip(asked, values, strict=True) if value is not None]
             for index, value in hits:
                 found[index] = value
             if hits and depth:
-                self._promote([(keys[index], value) for index, value in hits], depth)
-            missing = [index for index, value in zip(missing, values, strict=True) if value is None]
-        if failures == len(self.tiers):
-            raise StoreError("every tier failed to read")
+                self._promote([(keys[index], value) for index, value in hits], depth, max_bytes)
+            missing = [index for index, value in zip(asked, values, strict=True) if value is None]
+        if not answered and missing:
+            raise self._nobody("read")
         return found
 
-    def _promote(self, items: list[tuple[str, bytes]], depth: int) -> None:
-        for tier in self.tiers[:depth]:
+    def _promote(self, items: list[tuple[str, bytes]], depth: int, max_bytes: int | None) -> None:
+        # A value cut at max_bytes + 1 is longer than any entry: it is not copied anywhere.
+        whole = [(key, value) for key, value in items if max_bytes is None or len(value) <= max_bytes]
+        for index in range(depth):
             try:
-                tier.put_many(items)
-            except OSError as error:
-                self._failed(tier, "take a copy of a hit", error)
+                ok, _ = self._ask(index, "write", lambda store: store.put_many(whole))
+            except EntryTooLargeError:
+                ok = False
+            if not ok:
+                self.promotion_failures += 1
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         present = [False] * len(keys)
-        failures = 0
-        for tier in self.tiers:
+        answered = 0
+        for depth in range(len(self.tiers)):
             unknown = [index for index, known in enumerate(present) if not known]
             if not unknown:
                 break
-            try:
-                answers = tier.contains_many([keys[index] for index in unknown])
-            except OSError as error:
-                self._failed(tier, "look up", error)
-                failures += 1
+            names = [keys[i] for i in unknown]
+            ok, answers = self._ask(depth, "look up", methodcaller("contains_many", names))
+            if not ok or answers is None:
                 continue
+            answered += 1
             for index, answer in zip(unknown, answers, strict=True):
                 present[index] = answer
-        if failures == len(self.tiers):
-            raise StoreError("every tier failed to look up")
+        if not answered and not all(present):
+            raise self._nobody("look up")
         return present
 
     def delete(self, key: str) -> bool:
-        deleted = False
-        for tier in self.tiers:
-            try:
-                deleted |= tier.delete(key)
-            except OSError as error:
-                self._failed(tier, "delete", error)
-        return deleted
+        results = [self._ask(index, "delete", lambda store: store.delete(key)) for index in range(len(self.tiers))]
+        return any(bool(deleted) for _, deleted in results)
 
     def size_of(self, key: str) -> int | None:
-        for tier in self.tiers:
-            size = tier.size_of(key)
+        for index in range(len(self.tiers)):
+            _, size = self._ask(index, "look up", lambda store: store.size_of(key))
             if size is not None:
                 return size
         return None

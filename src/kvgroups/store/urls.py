@@ -1,51 +1,44 @@
 """``open_store(url)``: a byte store from a URL, or a tiered store from a list of them.
 
 - ``memory://?max_bytes=1GiB``: :class:`~kvgroups.store.memory.MemoryStore` (default budget 1GiB);
-- ``file:///dir?max_bytes=16GiB``: :class:`~kvgroups.store.files.FileStore` (default budget 16GiB);
-- ``redis://host:port/db``, ``rediss://...``: :class:`~kvgroups.store.redis_store.RedisStore`,
-  options ``ttl`` and ``timeout`` (seconds);
-- ``unix:///path.sock?db=0``: the same over a unix socket.
+- ``file:///dir?max_bytes=16GiB``: :class:`~kvgroups.store.files.FileStore` (default budget 16GiB,
+  or less where the filesystem is smaller);
+- ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS), ``unix:///path.sock?db=0``:
+  :class:`~kvgroups.store.redis_store.RedisStore`, options in :mod:`kvgroups.store.redis_settings`.
 
-Sizes take a unit (``512MiB``, ``8GiB``). A bad URL or option is an error naming it.
+Sizes take a unit (``512MiB``, ``8GiB``). A bad URL or option is an error naming it; a password
+in a URL is never shown (``***``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kvgroups.core.sizes import parse_size
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import ByteStore
-from kvgroups.store.files import DEFAULT_MAX_BYTES as FILE_MAX_BYTES
 from kvgroups.store.files import FileStore
 from kvgroups.store.memory import DEFAULT_MAX_BYTES as MEMORY_MAX_BYTES
 from kvgroups.store.memory import MemoryStore
+from kvgroups.store.redis_settings import mask_url, parse_redis_url
 from kvgroups.store.tiered import TieredStore
 
 StoreArg = str | Sequence[str] | ByteStore
+Opener = Callable[[str, str, str, bool], ByteStore]
 
 
 def _options(url: str, query: str, allowed: Sequence[str]) -> dict[str, str]:
     options: dict[str, str] = {}
     for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
         if name not in allowed:
-            raise KVGroupsError(f"store URL {url!r}: unknown option {name!r}; expected {', '.join(allowed) or 'none'}")
+            raise KVGroupsError(f"store URL {mask_url(url)!r}: unknown option {name!r}; expected "
+                                f"{', '.join(allowed) or 'none'}")
         options[name] = value
     return options
 
 
-def _positive_number(url: str, name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise KVGroupsError(f"store URL {url!r}: {name}={text!r} must be a positive number")
-    return value
-
-
-def _memory(url: str, path: str, query: str) -> ByteStore:
+def _memory(url: str, path: str, query: str, create: bool) -> ByteStore:
     if path not in ("", "/"):
         raise KVGroupsError(f"store URL {url!r}: memory:// takes no path, got {path!r}")
     options = _options(url, query, ["max_bytes"])
@@ -53,42 +46,26 @@ def _memory(url: str, path: str, query: str) -> ByteStore:
     return MemoryStore(max_bytes)
 
 
-def _file(url: str, path: str, query: str) -> ByteStore:
+def _file(url: str, path: str, query: str, create: bool) -> ByteStore:
     if not path or not path.startswith("/"):
         raise KVGroupsError(f"store URL {url!r}: file:// needs an absolute directory, e.g. file:///var/cache/kv")
     options = _options(url, query, ["max_bytes"])
-    max_bytes = parse_size(options["max_bytes"], "max_bytes") if "max_bytes" in options else FILE_MAX_BYTES
-    return FileStore(path, max_bytes)
+    max_bytes = parse_size(options["max_bytes"], "max_bytes") if "max_bytes" in options else None
+    return FileStore(path, max_bytes, create=create)
 
 
-def _redis(url: str, path: str, query: str) -> ByteStore:
+def _redis(url: str, path: str, query: str, create: bool) -> ByteStore:
     from kvgroups.store.redis_store import RedisStore  # noqa: PLC0415 - loads the optional redis client
 
-    scheme = urlsplit(url).scheme
-    options = _options(url, query, ["ttl", "timeout"] + (["db"] if scheme == "unix" else []))
-    ttl = int(_positive_number(url, "ttl", options["ttl"])) if "ttl" in options else None
-    timeout = _positive_number(url, "timeout", options["timeout"]) if "timeout" in options else 2.0
-    if scheme == "unix":
-        if not path:
-            raise KVGroupsError(f"store URL {url!r}: unix:// needs a socket path, e.g. unix:///run/valkey.sock")
-        db = options.get("db", "0")
-        if not db.isdigit():
-            raise KVGroupsError(f"store URL {url!r}: db={db!r} must be a non-negative integer")
-        return RedisStore(url, ttl_seconds=ttl, timeout_seconds=timeout, unix_socket=path, db=int(db))
-    parts = urlsplit(url)
-    database = parts.path.strip("/")
-    if database and not database.isdigit():
-        raise KVGroupsError(f"store URL {url!r}: the path must be a database number, got {parts.path!r}")
-    bare = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-    return RedisStore(bare, ttl_seconds=ttl, timeout_seconds=timeout)
+    return RedisStore(parse_redis_url(url))
 
 
-_OPENERS: Mapping[str, Callable[[str, str, str], ByteStore]] = {
+_OPENERS: Mapping[str, Opener] = {
     "memory": _memory, "file": _file, "redis": _redis, "rediss": _redis, "unix": _redis,
 }
 
 
-def open_store(url: StoreArg) -> ByteStore:
+def open_store(url: StoreArg, *, create: bool = True) -> ByteStore:
     """The byte store a URL names.
 
     Args:
@@ -96,14 +73,15 @@ def open_store(url: StoreArg) -> ByteStore:
             ``unix:///path.sock`` (options after ``?``, see the module docstring); a list of
             them is a tiered store, fastest first (a list of one is that store); a
             :class:`ByteStore` is returned as it is.
+        create: False opens only stores that exist (a ``file://`` directory is not created).
 
     Returns:
         The store, open; close it (or use it as a context manager) when done.
 
     Raises:
-        KVGroupsError: an unknown scheme, option or value, naming it.
+        KVGroupsError: an unknown scheme, option or value, naming it (never a password).
         TypeError: ``url`` is neither a str, a list of str nor a store.
-        StoreError: the store cannot be opened (a directory that cannot be created, no redis client).
+        StoreError: the store cannot be opened (no such store, no redis client).
     """
     if isinstance(url, ByteStore):
         return url
@@ -111,15 +89,15 @@ def open_store(url: StoreArg) -> ByteStore:
         if not url:
             raise KVGroupsError("a list of store URLs must not be empty")
         if len(url) == 1:
-            return open_store(url[0])
-        return TieredStore([open_store(item) for item in url])
+            return open_store(url[0], create=create)
+        return TieredStore([open_store(item, create=create) for item in url])
     if not isinstance(url, str):
         raise TypeError(f"a store is a URL, a list of URLs or a store, got {type(url).__name__}")
     parts = urlsplit(url)
     opener = _OPENERS.get(parts.scheme)
     if opener is None:
-        raise KVGroupsError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of "
+        raise KVGroupsError(f"store URL {mask_url(url)!r}: unknown scheme {parts.scheme!r}; expected one of "
                             f"{', '.join(scheme + '://' for scheme in _OPENERS)}")
     if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
         raise KVGroupsError(f"store URL {url!r}: file:// takes a local path (file:///dir), not host {parts.netloc!r}")
-    return opener(url, parts.path, parts.query)
+    return opener(url, parts.path, parts.query, create)

@@ -21,7 +21,8 @@ from kvgroups.datapath.kernels import warm_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.transformers.cache_binding import CacheBinding
 from kvgroups.integrations.transformers.support import check_supported, model_identity
-from kvgroups.store import KVChunkStore, LoadedPrefix
+from kvgroups.store import KVChunkStore, LoadedPrefix, StoreSecret
+from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.keys import token_array
 from kvgroups.store.urls import StoreArg
 
@@ -62,7 +63,10 @@ class PrefixCache:
             URLs (tiers, fastest first) or a :class:`~kvgroups.store.ByteStore`.
         chunk_size: tokens per stored chunk; a prompt reuses whole chunks.
         salt: the tenant's salt: chunks saved under one salt are never served under another.
-        max_pending: saves queued for the background writer before a save waits for room.
+        secret: the deployment's secret (None: ``$KVGROUPS_STORE_SECRET`` when set): keyed keys and
+            a MAC on every entry, so nobody without it can confirm a prompt or plant KV.
+        encrypt: also encrypt every entry (AES-256-GCM; needs a secret).
+        max_pending_bytes: bytes of saves the background writer may hold before it drops new ones.
 
     Raises:
         UnsupportedModelError: the model type is refused, or its reuse was never checked.
@@ -71,7 +75,8 @@ class PrefixCache:
     """
 
     def __init__(self, model: Any, store: StoreArg, *, chunk_size: int = 256, salt: str | bytes = "",
-                 max_pending: int = 64) -> None:
+                 secret: str | bytes | StoreSecret | None = None, encrypt: bool = False,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         check_supported(model)
         self.model = model
         self.chunk_size = chunk_size
@@ -80,7 +85,8 @@ class PrefixCache:
         self.binding = CacheBinding(model, chunk_size, model_identity(model))
         self.metadata = self.binding.metadata
         self.groups = self.binding.groups
-        self.chunk_store = KVChunkStore(self.metadata, store, salt=salt, max_pending=max_pending)
+        self.chunk_store = KVChunkStore(self.metadata, store, salt=salt, secret=secret, encrypt=encrypt,
+                                        max_pending_bytes=max_pending_bytes)
         # The latest prefill's result (generate() runs one): what it reused and computed.
         self.last_prefill: PrefillResult | None = None
 

@@ -61,7 +61,7 @@ class SchedulerSide:
         self.store = open_store(list(deployment.settings.stores))
         self.rank_stores = [
             KVChunkStore(deployment.metadata(rank, deployment.groups, "scheduler"), self.store,
-                         salt=deployment.settings.salt)
+                         salt=deployment.settings.salt, secret=deployment.settings.secret)
             for rank in range(deployment.world_size)
         ]
         self._requests: dict[str, _RequestState] = {}

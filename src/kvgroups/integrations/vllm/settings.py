@@ -1,15 +1,18 @@
 """The connector's settings, read from ``kv_connector_extra_config``, and the identity of the served model.
 
-``{"store": URL or [URLs], "chunk_size": N, "salt": S}``: where chunks live (a list is a tier
-chain, fastest first), how many tokens a stored chunk holds (a multiple of every attention
-group's block size), and the tenant salt that keeps this deployment's keys apart from others'.
+``{"store": URL or [URLs], "chunk_size": N, "salt": S, "secret_file": PATH, "encrypt": bool,
+"max_pending_bytes": N}``: where chunks live (a list is a tier chain, fastest first), how many
+tokens a stored chunk holds (a multiple of every attention group's block size), the tenant salt
+that keeps this deployment's keys apart from others', the file holding the deployment's secret
+(else ``$KVGROUPS_STORE_SECRET``, else none), whether entries are encrypted, and the host memory
+queued saves may hold.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import vllm
@@ -17,10 +20,13 @@ from huggingface_hub import snapshot_download
 
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import KVGroupsError
+from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.identity import files_digest
 from kvgroups.store.identity import model_identity as identity
+from kvgroups.store.redis_settings import mask_url
+from kvgroups.store.secret import StoreSecret
 
-KNOWN_KEYS = ("store", "chunk_size", "salt")
+KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes")
 DEFAULT_CHUNK_SIZE = 256
 
 
@@ -30,9 +36,22 @@ class ConnectorConfigError(KVGroupsError):
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    stores: tuple[str, ...]
+    """``stores`` may hold passwords: shown masked (repr, errors, logs)."""
+
+    stores: tuple[str, ...] = field(repr=False)
     chunk_size: int
     salt: str
+    secret: StoreSecret | None = field(default=None, compare=False)
+    encrypt: bool = False
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+
+    @property
+    def masked_stores(self) -> tuple[str, ...]:
+        return tuple(mask_url(url) for url in self.stores)
+
+    def __repr__(self) -> str:
+        return (f"ConnectorSettings(stores={self.masked_stores!r}, chunk_size={self.chunk_size}, "
+                f"salt=<{len(self.salt)} chars>, secret={'<set>' if self.secret else None}, encrypt={self.encrypt})")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -44,7 +63,9 @@ class ConnectorSettings:
         store = extra.get("store")
         urls = [store] if isinstance(store, str) else store
         if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(url, str) and url for url in urls):
-            problems.append(f"'store' must be a store URL or a non-empty list of them, got {store!r}")
+            shown = [mask_url(url) if isinstance(url, str) else url for url in urls] \
+                if isinstance(urls, (list, tuple)) else store
+            problems.append(f"'store' must be a store URL or a non-empty list of them, got {shown!r}")
             urls = []
         in_process = [url for url in urls if url.startswith("memory:")]
         if in_process:
@@ -56,9 +77,24 @@ class ConnectorSettings:
         salt = extra.get("salt", "")
         if not isinstance(salt, str):
             problems.append(f"'salt' must be a str, got {type(salt).__name__}")
+        encrypt = extra.get("encrypt", False)
+        if not isinstance(encrypt, bool):
+            problems.append(f"'encrypt' must be a bool, got {encrypt!r}")
+        pending = extra.get("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES)
+        if not is_int_at_least(pending, 1):
+            problems.append(f"'max_pending_bytes' must be an int >= 1, got {pending!r}")
+        secret = None
+        secret_file = extra.get("secret_file")
+        try:
+            secret = StoreSecret.from_file(secret_file) if secret_file is not None else StoreSecret.resolve(None)
+        except (KVGroupsError, TypeError) as error:
+            problems.append(f"'secret_file': {error}")
+        if encrypt is True and secret is None:
+            problems.append("'encrypt' needs a secret ('secret_file', or $KVGROUPS_STORE_SECRET)")
         if problems:
             raise ConnectorConfigError("kv_connector_extra_config for KVGroupsConnector: " + "; ".join(problems))
-        return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt)
+        return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt, secret=secret, encrypt=encrypt,
+                   max_pending_bytes=pending)
 
     def check_block_sizes(self, block_sizes: Mapping[int, int]) -> None:
         """Raise unless ``chunk_size`` is a multiple of every attention group's block size (group -> size)."""

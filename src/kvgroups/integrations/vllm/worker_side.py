@@ -13,11 +13,14 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Mapping
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvgroups.core.sizes import ceil_div
+from kvgroups.datapath.buffers import HostBufferPool
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.slots import paged_slots
 from kvgroups.datapath.transfer import KVTransfer
@@ -56,8 +59,11 @@ class WorkerSide:
                 f"expected {[group.to_dict() for group in self.deployment.groups]}"
             )
         self.transfers = [KVTransfer([group], values) for group in groups]
-        self.store = KVChunkStore(metadata, list(self.deployment.settings.stores),
-                                  salt=self.deployment.settings.salt)
+        settings = self.deployment.settings
+        self.store = KVChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
+                                  encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
+        device = self.transfers[0].device if self.transfers else torch.device("cpu")
+        self.host_buffers = HostBufferPool(settings.max_pending_bytes, pin=device.type != "cpu")
         # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
         atexit.register(self.close)
         kernel = warm_up(self.transfers[0].device) if self.transfers else "none"
@@ -131,22 +137,31 @@ class WorkerSide:
         block_ids_of = {engine_group.index: np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
                         for engine_group in self.engine_groups}
         for chunk in plan.chunks:
-            tensors: dict[int, torch.Tensor] = {}
             positions = np.arange(chunk * self.chunk_size, (chunk + 1) * self.chunk_size)
+            packs: dict[int, dict[str, Any]] = {}  # group -> how to pack it
             for engine_group in self.engine_groups:
                 block_ids = block_ids_of[engine_group.index]
                 if engine_group.token_indexed:
                     slots = paged_slots(positions, block_ids, engine_group.block_size)
                     if (slots < 0).any():
                         continue  # part of the chunk has left this group's blocks (a window moved on)
-                    slot_mapping = torch.from_numpy(slots)
-                    for member in engine_group.members:
-                        tensors[member] = self.transfers[member].pack(slot_mapping)[0]
+                    packs.update({member: {"slot_mapping": torch.from_numpy(slots)} for member in engine_group.members})
                 elif plan.step_end == (chunk + 1) * self.chunk_size and engine_group.state_mode == "none":
                     state = self._state_block(block_ids)
-                    for member in engine_group.members:
-                        tensors[member] = self.transfers[member].pack(state_indices=[state])[0]
-            store.save_chunk(keys[chunk], chunk, tensors)
+                    packs.update({member: {"state_indices": [state]} for member in engine_group.members})
+            if not packs:
+                continue
+            # Queued saves hold host memory from a bounded pool, never the engine's device memory.
+            buffers = self.host_buffers.take([
+                (self.deployment.groups[member].chunk_shape(self.chunk_size), self.deployment.groups[member].dtype)
+                for member in packs])
+            if buffers is None:
+                store.stats.dropped_saves += 1
+                continue
+            tensors = {}
+            for (member, how), buffer in zip(packs.items(), buffers, strict=True):
+                tensors[member] = self.transfers[member].pack(out=[buffer], **how)[0]
+            store.save_chunk(keys[chunk], chunk, tensors, release=partial(self.host_buffers.give_back, buffers))
 
     # --- helpers ----------------------------------------------------------------------------
     def _bound_store(self) -> KVChunkStore:
