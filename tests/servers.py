@@ -40,18 +40,48 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def certificates(directory: Path) -> dict[str, Path]:
+    """A throwaway CA, and a server and a client certificate it signed (for 127.0.0.1), made by openssl."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*arguments: str) -> None:
+        subprocess.run(["openssl", *arguments], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+            "-subj", "/CN=kvgroups-test-ca")
+    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+                f"/CN={name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.crt", "-days", "1", "-extfile", "ext.cnf")
+    return {name: directory / name for name in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
+
+
 class Server:
-    """One server process; ``url`` is a redis:// or unix:// URL for kvgroups' open_store."""
+    """One server process; ``url`` is a redis://, rediss:// or unix:// URL for kvgroups' open_store.
+
+    ``password`` makes the server require it; ``tls`` (certificates from :func:`certificates`)
+    serves TLS only, clients presenting a certificate of the same CA.
+    """
 
     def __init__(self, directory: Path, *, unix: bool = False, settings: tuple[str, ...] = (),
-                 port: int | None = None) -> None:
+                 port: int | None = None, password: str | None = None,
+                 tls: dict[str, Path] | None = None) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.log = directory / "server.log"
         self.port = 0 if unix else port or free_port()
         self.socket = directory / "server.sock" if unix else None
-        arguments = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        self.password = password
+        self.tls = tls
+        listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(tls["server.crt"]),
+                  "--tls-key-file", str(tls["server.key"]), "--tls-ca-cert-file", str(tls["ca.crt"]),
+                  "--tls-auth-clients", "yes"] if tls else ["--port", str(self.port)]
+        arguments = [server_binary(), *listen, "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--dir", str(directory), "--daemonize", "no", *settings]
+        if password is not None:
+            arguments += ["--requirepass", password]
         if self.socket is not None:
             arguments += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
         with open(self.log, "wb") as log:
@@ -60,7 +90,13 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"unix://{self.socket}" if self.socket is not None else f"redis://127.0.0.1:{self.port}/0"
+        credentials = f":{self.password}@" if self.password is not None else ""
+        if self.socket is not None:
+            return f"unix://{credentials}{self.socket}"
+        if self.tls is not None:
+            return (f"rediss://{credentials}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls['ca.crt']}"
+                    f"&ssl_certfile={self.tls['client.crt']}&ssl_keyfile={self.tls['client.key']}")
+        return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + 10

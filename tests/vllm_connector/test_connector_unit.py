@@ -21,7 +21,7 @@ from kvgroups.datapath.transfer import pack
 from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import check_backends
-from kvgroups.integrations.vllm.settings import ConnectorConfigError, model_identity
+from kvgroups.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings, model_identity
 from kvgroups.store import FileStore
 from tests.servers import running_server
 from tests.vllm_connector.harness import (
@@ -390,3 +390,46 @@ def test_the_pages_vllms_accepted_cpu_kernels_write_are_read_back_as_written(isa
 def test_the_amx_kernels_pack_pages_unlike_the_vec_ones_the_connector_reads() -> None:
     """Why 'amx' is refused: the same keys and values through vLLM's cache-writing op land elsewhere."""
     assert not torch.equal(written_by_vllm("amx", 128)[3], written_by_vllm("vec", 128)[3])
+
+
+def test_a_secret_seals_every_entry_and_saves_hold_bounded_host_memory(gemma3_dir: Path, tmp_path: Path) -> None:
+    """With a secret file and encryption, entries are AES-GCM ciphertext under keyed keys, restored byte
+    for byte; an engine without the secret finds nothing. Queued saves hold host buffers from a pool
+    bounded by max_pending_bytes: with too small a pool, saves are dropped and counted, never blocking."""
+    (tmp_path / "secret").write_text("deployment secret of 32 bytes..!")
+    tokens = prompt(100)
+    extra = file_store(tmp_path, secret_file=str(tmp_path / "secret"), encrypt=True)
+    first, steps = fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+    (save,) = steps[0].metadata.saves
+    store = FileStore(f"{tmp_path}/kv")
+    values = [store.get(key) for key in store.iter_keys()]
+    assert values and all(b'"seal":"aes-256-gcm"' in (value or b"") for value in values)
+    assert first.side.host_buffers.held_bytes > 0  # the saves went through the host pool
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness.add("reuse", tokens)
+    step = harness.step()
+    (load,) = step.metadata.loads
+    second.side.load(step.metadata)
+    got = token_rows(second, load.block_ids, range(64, 96))
+    want = token_rows(first, save.block_ids, range(64, 96))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    stranger, _ = fresh(gemma3_dir, file_store(tmp_path), ["sliding", "full"])
+    stranger.add("no-secret", tokens)
+    assert not stranger.step().metadata.loads  # keyed keys: nothing addressed without the secret
+    # A pool of one byte holds no chunk: every save is dropped, counted, and nothing is written.
+    tiny = file_store(tmp_path / "tiny", max_pending_bytes=1)
+    starved, _ = fill(gemma3_dir, tiny, ["sliding", "full"], tokens)
+    assert starved.side.store is not None and starved.side.store.stats.dropped_saves == 3
+    assert not list(FileStore(f"{tmp_path}/tiny/kv").iter_keys())
+
+
+def test_settings_refuse_what_cannot_work_and_never_show_a_password(tmp_path: Path) -> None:
+    with pytest.raises(ConnectorConfigError, match=r"'encrypt' needs a secret"):
+        ConnectorSettings.from_extra_config({"store": f"file://{tmp_path}/kv", "encrypt": True})
+    with pytest.raises(ConnectorConfigError, match=r"'secret_file': cannot read the secret file"):
+        ConnectorSettings.from_extra_config({"store": f"file://{tmp_path}/kv", "secret_file": "/nonexistent"})
+    with pytest.raises(ConnectorConfigError) as refused:
+        ConnectorSettings.from_extra_config({"store": ["redis://:hunter2-secret@h:1/0", 3]})
+    assert "hunter2-secret" not in str(refused.value) and ":***@" in str(refused.value)
+    settings = ConnectorSettings.from_extra_config({"store": "redis://user:hunter2-secret@h:1/0"})
+    assert "hunter2-secret" not in repr(settings) and settings.stores == ("redis://user:hunter2-secret@h:1/0",)

@@ -71,23 +71,25 @@ class HostBufferPool:
         self._lock = threading.Lock()
 
     def take(self, shapes: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor] | None:
-        """One buffer per ``(shape, dtype)``, all or none (None: over the budget)."""
+        """One buffer per ``(shape, dtype)``, in order, all or none (None: over the budget)."""
         with self._lock:
-            taken: list[torch.Tensor] = []
+            taken: list[tuple[torch.Tensor, bool]] = []  # (buffer, allocated now)
             for shape, dtype in shapes:
                 free = self._free.get((shape, dtype))
                 if free:
-                    taken.append(free.pop())
+                    taken.append((free.pop(), False))
                     continue
                 needed = math.prod(shape) * dtype.itemsize
                 if self.held_bytes + needed > self.max_bytes:
                     self._drop_free()
                 if self.held_bytes + needed > self.max_bytes:
-                    self._release(taken)
+                    # Nothing is handed out: reused buffers go back, new ones go.
+                    self._release([buffer for buffer, new in taken if not new])
+                    self.held_bytes -= sum(_bytes(buffer) for buffer, new in taken if new)
                     return None
                 self.held_bytes += needed
-                taken.append(torch.empty(shape, dtype=dtype, pin_memory=self.pin))
-            return taken
+                taken.append((torch.empty(shape, dtype=dtype, pin_memory=self.pin), True))
+            return [buffer for buffer, _ in taken]
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
@@ -100,5 +102,9 @@ class HostBufferPool:
     def _drop_free(self) -> None:
         """Let go of every free buffer (other shapes may need the room)."""
         for buffers in self._free.values():
-            self.held_bytes -= sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+            self.held_bytes -= sum(_bytes(buffer) for buffer in buffers)
         self._free.clear()
+
+
+def _bytes(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.element_size()

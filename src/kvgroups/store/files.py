@@ -210,7 +210,12 @@ class FileStore(ByteStore):
         except FileNotFoundError:
             return None
         except OSError as error:
-            raise StoreError(f"cannot open {self._path(key)}: {error}") from error
+            if error.errno != errno.ELOOP:
+                raise StoreError(f"cannot open {self._path(key)}: {error}") from error
+            logger.warning("file store %s: an entry is a symlink; removing it, not following it", self.directory)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=directory)
+            return None
         try:
             size = os.fstat(descriptor).st_size - len(header)
             if size < 0 or read_exactly(descriptor, len(header), 0) != header:
