@@ -5,6 +5,9 @@ Per tier, put and get of the same bytes through the kvgroups store and through t
   file    -- FileStore (temporary file + rename, key header, LRU budget) vs open().write / read();
   redis   -- RedisStore (key prefix, size check, TTL) vs the same redis-py client's SET / GET, on a
              real server started here (valkey-server or redis-server on a free port).
+  sealed  -- the file tier with the codec: save (encode + put) and load (get + decode) of a chunk
+             entry with a secret (MAC) and with encryption, against the same without a secret
+             (its "raw" columns: an xxh3 checksum instead).
 Values are handed over as a memoryview of a reused buffer, as the data path produces them, so
 every tier and every baseline must copy them to keep them; like stored chunks (keyed by content)
 each is written once, under a new key, and the gets read them back. Ours and the baseline alternate (A, B,
@@ -117,10 +120,56 @@ def redis_rows(directory: Path, size: int, iterations: int) -> list[str]:
         return measure("redis", store.put, store.get, client.set, client.get, size, iterations, keys=16)  # type: ignore[arg-type]
 
 
+def sealed_rows(directory: Path, size: int, iterations: int) -> list[str]:
+    """``KVChunkStore`` on the file tier with a secret (a MAC on every entry) and with encryption,
+    each paired with the same store without a secret (an xxh3 checksum) as the baseline: a save of
+    one chunk (encode and write, flushed) and a load of an 8-chunk prefix (read, check, decode and
+    put together), per chunk."""
+    import torch
+
+    from kvgroups import KVLayerGroupsManager, LMCacheMetadata
+    from kvgroups.store import KVChunkStore
+
+    chunk_tokens, prefix_chunks = 256, 8
+    heads = size // (2 * chunk_tokens * 128 * 2)  # one layer of bfloat16 K/V: `size` bytes per chunk
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups({"layer": torch.empty(2, 64, 16, heads, 128, dtype=torch.bfloat16, device="meta")})
+    metadata = LMCacheMetadata.for_groups(manager.kv_layer_groups, model_name="bench", chunk_size=chunk_tokens)
+    chunk = torch.randn(2, 1, chunk_tokens, heads * 128).to(torch.bfloat16)
+    secret = "benchmark secret, 32 bytes long.."
+    rows = []
+    for label, sealed in (("file + MAC", {"secret": secret}), ("file + encryption", {"secret": secret, "encrypt": True})):
+        stores = [KVChunkStore(metadata, FileStore(directory / f"{label[7:10]}{kind}", max_bytes=64 << 30), **options)
+                  for kind, options in (("s", sealed), ("p", {}))]
+
+        def save(store: KVChunkStore, iteration: int) -> None:
+            tokens = [iteration] * chunk_tokens
+            store.save(tokens, 0, [chunk])
+            store.flush()
+
+        prompt = list(range(prefix_chunks * chunk_tokens))
+        for store in stores:
+            for index in range(prefix_chunks):
+                store.save(prompt, index, [chunk])
+            store.flush()
+
+        def load(store: KVChunkStore) -> None:
+            assert store.load(prompt, prefix_chunks * chunk_tokens).num_tokens == prefix_chunks * chunk_tokens
+
+        ours, raw = stores
+        rows.append(row(label, size, "save", interleaved(lambda i: save(ours, i), lambda i: save(raw, i), iterations)))
+        times = interleaved(lambda i: load(ours), lambda i: load(raw), max(4, iterations // prefix_chunks))
+        rows.append(row(label, size, "load", ([t / prefix_chunks for t in times[0]],
+                                              [t / prefix_chunks for t in times[1]])))
+        for store in stores:
+            store.close()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=120, help="pairs per row (32 MiB rows use a quarter)")
-    parser.add_argument("--tiers", default="memory,file,redis")
+    parser.add_argument("--tiers", default="memory,file,redis,sealed")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}; entries handed over as memoryviews of a reused buffer\n")
     print("| tier | entry | op | ours GiB/s | ours p50 / p99 ms | raw GiB/s | raw p50 / p99 ms | vs raw |")
@@ -135,6 +184,8 @@ def main() -> None:
                     rows = memory_rows(size, iterations)
                 elif tier == "file":
                     rows = file_rows(directory, size, iterations)
+                elif tier == "sealed":
+                    rows = sealed_rows(directory, size, iterations)
                 else:
                     rows = redis_rows(directory, size, iterations)
                 for line in rows:

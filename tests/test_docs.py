@@ -68,6 +68,17 @@ def test_every_block_names_a_test_that_exists() -> None:
         assert re.search(rf"^def {test}\(", source, flags=re.MULTILINE), f"{block.where}: {block.tested_by}"
 
 
+def test_every_test_a_document_names_exists() -> None:
+    """The promises in the README and docs name the tests that hold them: each of those exists."""
+    named = {(document, match) for document in DOCUMENTS
+             for match in re.findall(r"`(tests/[\w/]+\.py::\w+)`", document.read_text(encoding="utf-8"))}
+    assert named
+    for document, reference in named:
+        path, test = reference.split("::")
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert re.search(rf"^def {test}\(", source, flags=re.MULTILINE), f"{document.name}: {reference}"
+
+
 def test_the_readme_is_short() -> None:
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
 
