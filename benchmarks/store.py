@@ -137,33 +137,31 @@ def sealed_rows(directory: Path, size: int, iterations: int) -> list[str]:
     metadata = LMCacheMetadata.for_groups(manager.kv_layer_groups, model_name="bench", chunk_size=chunk_tokens)
     chunk = torch.randn(2, 1, chunk_tokens, heads * 128).to(torch.bfloat16)
     secret = "benchmark secret, 32 bytes long.."
-    rows = []
-    for label, sealed in (("file + MAC", {"secret": secret}), ("file + encryption", {"secret": secret, "encrypt": True})):
-        stores = [KVChunkStore(metadata, FileStore(directory / f"{label[7:10]}{kind}", max_bytes=64 << 30), **options)
-                  for kind, options in (("s", sealed), ("p", {}))]
+    prompt = list(range(prefix_chunks * chunk_tokens))
 
-        def save(store: KVChunkStore, iteration: int) -> None:
-            tokens = [iteration] * chunk_tokens
-            store.save(tokens, 0, [chunk])
-            store.flush()
+    def save(store: KVChunkStore, iteration: int) -> None:
+        store.save([iteration] * chunk_tokens, 0, [chunk])
+        store.flush()
 
-        prompt = list(range(prefix_chunks * chunk_tokens))
-        for store in stores:
+    def load(store: KVChunkStore) -> None:
+        assert store.load(prompt, len(prompt)).num_tokens == len(prompt)
+
+    def pair(label: str, sealed: dict[str, object]) -> list[str]:
+        ours, raw = (KVChunkStore(metadata, FileStore(directory / f"{label[7:10]}{kind}", max_bytes=64 << 30),
+                                  **options)  # type: ignore[arg-type]
+                     for kind, options in (("s", sealed), ("p", {})))
+        for store in (ours, raw):
             for index in range(prefix_chunks):
                 store.save(prompt, index, [chunk])
             store.flush()
+        saves = interleaved(lambda i: save(ours, i), lambda i: save(raw, i), iterations)
+        loads = interleaved(lambda i: load(ours), lambda i: load(raw), max(4, iterations // prefix_chunks))
+        ours.close()
+        raw.close()
+        return [row(label, size, "save", saves),
+                row(label, size, "load", ([t / prefix_chunks for t in loads[0]], [t / prefix_chunks for t in loads[1]]))]
 
-        def load(store: KVChunkStore) -> None:
-            assert store.load(prompt, prefix_chunks * chunk_tokens).num_tokens == prefix_chunks * chunk_tokens
-
-        ours, raw = stores
-        rows.append(row(label, size, "save", interleaved(lambda i: save(ours, i), lambda i: save(raw, i), iterations)))
-        times = interleaved(lambda i: load(ours), lambda i: load(raw), max(4, iterations // prefix_chunks))
-        rows.append(row(label, size, "load", ([t / prefix_chunks for t in times[0]],
-                                              [t / prefix_chunks for t in times[1]])))
-        for store in stores:
-            store.close()
-    return rows
+    return pair("file + MAC", {"secret": secret}) + pair("file + encryption", {"secret": secret, "encrypt": True})
 
 
 def main() -> None:
