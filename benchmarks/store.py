@@ -158,8 +158,8 @@ def sealed_rows(directory: Path, size: int, iterations: int) -> list[str]:
         loads = interleaved(lambda i: load(ours), lambda i: load(raw), max(4, iterations // prefix_chunks))
         ours.close()
         raw.close()
-        return [row(label, size, "save", saves),
-                row(label, size, "load", ([t / prefix_chunks for t in loads[0]], [t / prefix_chunks for t in loads[1]]))]
+        per_chunk = ([t / prefix_chunks for t in loads[0]], [t / prefix_chunks for t in loads[1]])
+        return [row(label, size, "save", saves), row(label, size, "load", per_chunk)]
 
     return pair("file + MAC", {"secret": secret}) + pair("file + encryption", {"secret": secret, "encrypt": True})
 
