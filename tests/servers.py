@@ -131,3 +131,107 @@ def running_server(directory: Path, **options: object) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+def cluster_ports(count: int) -> list[int]:
+    """``count`` free loopback ports below 55536 whose cluster bus ports (port + 10000) are free too."""
+    ports: list[int] = []
+    candidate = 20000 + (os.getpid() * 37) % 20000
+    while len(ports) < count:
+        candidate = 20000 + (candidate + 7) % 35000
+        try:
+            for port in (candidate, candidate + 10000):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        ports.append(candidate)
+    return ports
+
+
+class Cluster:
+    """A Valkey/Redis Cluster on loopback: ``masters`` masters with ``replicas`` replicas each, slots
+    spread by ``redis-cli --cluster create``, up once every node says ``cluster_state:ok`` and every
+    master has its replicas. ``url`` is a ``redis-cluster://`` URL of the first two nodes."""
+
+    def __init__(self, directory: Path, *, masters: int = 3, replicas: int = 1,
+                 settings: tuple[str, ...] = ()) -> None:
+        self.directory = directory
+        self.ports = cluster_ports(masters * (1 + replicas))
+        self.nodes: dict[int, Server] = {}
+        for port in self.ports:
+            self.nodes[port] = Server(directory / str(port), port=port, settings=(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0", *settings))
+        try:
+            subprocess.run([self.cli(), "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
+                            "--cluster-replicas", str(replicas), "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            self.wait_until_ok(masters, replicas)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def cli() -> str:
+        found = shutil.which("valkey-cli") or shutil.which("redis-cli")
+        if found is None:
+            raise RuntimeError("a cluster needs redis-cli (or valkey-cli): apt-get install redis-tools")
+        return found
+
+    def ask(self, port: int, *command: str) -> str:
+        return subprocess.run([self.cli(), "-p", str(port), *command], capture_output=True, text=True,
+                              timeout=10, check=False).stdout
+
+    def masters(self) -> list[int]:
+        """Ports of the masters that are up, as a live node sees the cluster."""
+        alive = next(port for port, node in self.nodes.items() if node.process.poll() is None)
+        found = []
+        for line in self.ask(alive, "cluster", "nodes").splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "master" in fields[2] and "fail" not in fields[2]:
+                found.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+        return sorted(found)
+
+    def wait_until_ok(self, masters: int, replicas: int = 1, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = [port for port, node in self.nodes.items() if node.process.poll() is None]
+            states = [self.ask(port, "cluster", "info") for port in live]
+            if all("cluster_state:ok" in state for state in states) and len(self.masters()) == masters:
+                linked = [self.ask(port, "info", "replication") for port in self.masters()]
+                if all(f"connected_slaves:{replicas}" in info for info in linked) or replicas == 0:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"the cluster did not come up within {timeout} s")
+
+    def wait_for_masters(self, masters: int, timeout: float = 30) -> None:
+        """Until ``masters`` masters are up and every slot is served again (after a failover)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = [port for port, node in self.nodes.items() if node.process.poll() is None]
+            if len(self.masters()) == masters and all(
+                    "cluster_state:ok" in self.ask(port, "cluster", "info") for port in live):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"no failover within {timeout} s")
+
+    @property
+    def url(self) -> str:
+        return f"redis-cluster://127.0.0.1:{self.ports[0]},127.0.0.1:{self.ports[1]}/"
+
+    def kill(self, port: int) -> None:
+        self.nodes[port].stop()
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+
+@contextmanager
+def running_cluster(directory: Path, **options: object) -> Iterator[Cluster]:
+    cluster = Cluster(directory, **options)  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from kvgroups import KVGroupsError
 from kvgroups.core.sizes import MIB
 from kvgroups.store import ByteStore, EntryTooLargeError, FileStore, MemoryStore, TieredStore, open_store
-from tests.servers import Server, running_server
+from tests.servers import Cluster, Server, running_cluster, running_server
 
 Opener = Callable[[int], ByteStore]  # budget in bytes -> a fresh, empty store
 
@@ -28,6 +29,30 @@ def redis_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         yield {"redis": tcp, "unix": unix}
 
 
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    settings = ("--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
+    with running_cluster(tmp_path_factory.mktemp("cluster"), settings=settings) as cluster:
+        yield cluster
+
+
+def _cluster_opener(cluster: Cluster) -> Opener:
+    """The cluster as one store. Each master keeps three quarters of the budget, LRU as a server
+    does: an LRU is each master's own, and with that share the LRU test's keys (k1 and k2 on one
+    master, k0 on another, the fill keys in the order they hash) fill k1's master first, as they
+    would fill one server."""
+    def open_with(budget: int) -> ByteStore:
+        store = open_store(cluster.url)
+        store.clear()
+        for port in cluster.masters():
+            client = redis.Redis(port=port)
+            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 3 * budget // 4)
+            client.close()
+        return store
+
+    return open_with
+
+
 def _redis_opener(server: Server) -> Opener:
     def open_with(budget: int) -> ByteStore:
         store = open_store(server.url)
@@ -40,7 +65,7 @@ def _redis_opener(server: Server) -> Opener:
     return open_with
 
 
-@pytest.fixture(params=["memory", "file", "redis", "unix", "tiered"])
+@pytest.fixture(params=["memory", "file", "redis", "unix", "tiered", "cluster"])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     name = request.param
     if name == "memory":
@@ -49,6 +74,8 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
         return lambda budget: FileStore(tmp_path / "store", budget)
     if name == "tiered":
         return lambda budget: TieredStore([MemoryStore(budget), FileStore(tmp_path / "tier", budget)])
+    if name == "cluster":
+        return _cluster_opener(request.getfixturevalue("redis_cluster"))
     servers = request.getfixturevalue("redis_servers")
     return _redis_opener(servers[name])
 

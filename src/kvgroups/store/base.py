@@ -51,7 +51,7 @@ class ByteStore(abc.ABC):
     def put(self, key: str, value: Value) -> None: ...
 
     @abc.abstractmethod
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         """The value under ``key`` (cut to ``max_bytes + 1`` bytes when longer), None when absent."""
 
     @abc.abstractmethod
@@ -73,13 +73,13 @@ class ByteStore(abc.ABC):
         for key, value in items:
             self.put(key, value)
 
-    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[Stored | None]:
         return [self.get(key, max_bytes) for key in keys]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains(key) for key in keys]
 
-    def get_prefix(self, key: str, num_bytes: int) -> bytes | None:
+    def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         """The first ``num_bytes`` bytes of a value (an entry's header), None when absent."""
         value = self.get(key, num_bytes)
         return None if value is None else value[:num_bytes]
@@ -109,6 +109,8 @@ class ByteStore(abc.ABC):
 
 
 Value = bytes | bytearray | memoryview
+# What a read returns: a buffer of its own (never shared with another read).
+Stored = bytes | bytearray
 
 
 def cut(value: bytes, max_bytes: int | None) -> bytes:

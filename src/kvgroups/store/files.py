@@ -29,6 +29,7 @@ from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import (
     ByteStore,
     EntryTooLargeError,
+    Stored,
     StoreError,
     StoreFullError,
     StoreStats,
@@ -199,7 +200,7 @@ class FileStore(ByteStore):
                 os.unlink(temporary, dir_fd=directory)
             raise
 
-    def _read(self, key: str, limit: int | None) -> bytes | None:
+    def _read(self, key: str, limit: int | None) -> Stored | None:
         shard, name = self._names(key)
         header = self._header(key)
         directory = self._shard(shard, create=False)
@@ -236,10 +237,10 @@ class FileStore(ByteStore):
             os.utime(name, dir_fd=directory, follow_symlinks=False)
         return value
 
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         return self._read(key, None if max_bytes is None else max_bytes + 1)
 
-    def get_prefix(self, key: str, num_bytes: int) -> bytes | None:
+    def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         return self._read(key, num_bytes)
 
     def contains(self, key: str) -> bool:

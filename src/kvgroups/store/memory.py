@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from kvgroups.core.sizes import GIB
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreStats, Value, check_value, cut
+from kvgroups.store.base import ByteStore, EntryTooLargeError, Stored, StoreStats, Value, check_value, cut
 
 DEFAULT_MAX_BYTES = GIB
 
@@ -56,14 +56,14 @@ class MemoryStore(ByteStore):
                     oldest = next(iter(self._values))
                     self._bytes -= len(self._values.pop(oldest))
 
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         value = self._values.get(key)
         if value is None:
             return None
         self._hits[key] = None
         return cut(value, max_bytes)
 
-    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[Stored | None]:
         return [self.get(key, max_bytes) for key in keys]
 
     def contains(self, key: str) -> bool:

@@ -1,11 +1,12 @@
 """A Valkey/Redis store's settings, read from its URL once, checked, and shown without the password.
 
-``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS) and
-``unix://[user:password@]/path.sock`` take ``?ttl=`` (whole seconds, at least 1), ``timeout=``
-(seconds, finite and positive; 2 by default), ``max_connections=`` (the connection pool's size,
-64 by default: threads beyond it wait for a connection, up to the timeout), ``db=`` (unix
-sockets) and, on ``rediss://``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and
-``ssl_cert_reqs`` (``required``, ``optional`` or ``none``).
+``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS), ``unix://[user:password@]/path.sock``
+and, for a cluster, ``redis-cluster://[user:password@]host:port[,host:port...]/`` and
+``rediss-cluster://...`` (any of its nodes: the others are discovered) take ``?ttl=`` (whole
+seconds, at least 1), ``timeout=`` (seconds, finite and positive; 2 by default),
+``max_connections=`` (a connection pool's size, 64 by default: threads beyond it wait for a
+connection, up to the timeout), ``db=`` (unix sockets) and, with TLS, ``ssl_ca_certs``,
+``ssl_certfile``, ``ssl_keyfile`` and ``ssl_cert_reqs`` (``required``, ``optional`` or ``none``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RedisSettings:
     host: str | None = None
     port: int = 6379
     unix_path: str | None = None
+    nodes: tuple[tuple[str, int], ...] = ()  # a cluster's startup nodes
     db: int = 0
     username: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -93,11 +95,24 @@ def _whole(url: str, name: str, text: str, minimum: int) -> int:
     return int(text)
 
 
+def _cluster_nodes(url: str, netloc: str) -> tuple[tuple[str, int], ...]:
+    nodes = []
+    for address in netloc.rsplit("@", 1)[-1].split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise KVGroupsError(f"store URL {mask_url(url)!r}: {address!r} is not host:port; a cluster URL lists "
+                                f"its nodes as host:port[,host:port...]")
+        nodes.append((host.strip("[]"), int(port)))
+    return tuple(nodes)
+
+
 def parse_redis_url(url: str) -> RedisSettings:
-    """The settings of a ``redis://``, ``rediss://`` or ``unix://`` URL; bad options raise, naming them."""
+    """The settings of a ``redis://``, ``rediss://``, ``unix://`` or ``redis[s]-cluster://`` URL; bad options
+    raise, naming them."""
     parts = urlsplit(url)
     unix = parts.scheme == "unix"
-    tls = parts.scheme == "rediss"
+    tls = parts.scheme in ("rediss", "rediss-cluster")
+    cluster = parts.scheme.endswith("-cluster")
     allowed = ("ttl", "timeout", "max_connections", *(("db",) if unix else ()), *(_TLS_OPTIONS if tls else ()))
     options = _options(url, parts.query, allowed)
     ttl = _whole(url, "ttl", options["ttl"], 1) if "ttl" in options else None
@@ -111,6 +126,12 @@ def parse_redis_url(url: str) -> RedisSettings:
                    "password": unquote(parts.password) if parts.password is not None else None}
     bare = mask_url(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")))
     common: dict[str, Any] = dict(ttl_seconds=ttl, timeout_seconds=timeout, max_connections=pool, **credentials)
+    tls_options = tuple((name, value) for name, value in options.items() if name in _TLS_OPTIONS)
+    if cluster:
+        if parts.path.strip("/"):
+            raise KVGroupsError(f"store URL {mask_url(url)!r}: a cluster has one database; no path after the nodes")
+        return RedisSettings(url=bare, tls=tls, nodes=_cluster_nodes(url, parts.netloc), tls_options=tls_options,
+                             **common)
     if unix:
         if not parts.path:
             raise KVGroupsError(f"store URL {mask_url(url)!r}: unix:// needs a socket path, e.g. "
@@ -126,6 +147,5 @@ def parse_redis_url(url: str) -> RedisSettings:
         raise KVGroupsError(f"store URL {mask_url(url)!r}: the port is not a number") from None
     if not parts.hostname:
         raise KVGroupsError(f"store URL {mask_url(url)!r}: no host")
-    tls_options = tuple((name, value) for name, value in options.items() if name in _TLS_OPTIONS)
     return RedisSettings(url=bare, tls=tls, host=parts.hostname, port=port, db=int(database or 0),
                          tls_options=tls_options, **common)

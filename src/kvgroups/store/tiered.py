@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from operator import methodcaller
 from typing import TypeVar
 
-from kvgroups.store.base import ByteStore, EntryTooLargeError, StoreError, Value
+from kvgroups.store.base import ByteStore, EntryTooLargeError, Stored, StoreError, Value
 from kvgroups.store.health import Backoff, RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -71,11 +71,11 @@ class TieredStore(ByteStore):
         if not answered:
             raise self._nobody("write")
 
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         return self.get_many([key], max_bytes)[0]
 
-    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
-        found: list[bytes | None] = [None] * len(keys)
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[Stored | None]:
+        found: list[Stored | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         answered = 0
         for depth in range(len(self.tiers)):
@@ -97,7 +97,7 @@ class TieredStore(ByteStore):
             raise self._nobody("read")
         return found
 
-    def _promote(self, items: list[tuple[str, bytes]], depth: int, max_bytes: int | None) -> None:
+    def _promote(self, items: list[tuple[str, Stored]], depth: int, max_bytes: int | None) -> None:
         # A value cut at max_bytes + 1 is longer than any entry: it is not copied anywhere.
         whole = [(key, value) for key, value in items if max_bytes is None or len(value) <= max_bytes]
         for index in range(depth):

@@ -4,7 +4,9 @@
 - ``file:///dir?max_bytes=16GiB``: :class:`~kvgroups.store.files.FileStore` (default budget 16GiB,
   or less where the filesystem is smaller);
 - ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS), ``unix:///path.sock?db=0``:
-  :class:`~kvgroups.store.redis_store.RedisStore`, options in :mod:`kvgroups.store.redis_settings`.
+  :class:`~kvgroups.store.redis_store.RedisStore`, options in :mod:`kvgroups.store.redis_settings`;
+- ``redis-cluster://host:port[,host:port...]/``, ``rediss-cluster://...``: a Valkey/Redis Cluster,
+  :class:`~kvgroups.store.redis_cluster.RedisClusterStore`.
 
 Sizes take a unit (``512MiB``, ``8GiB``). A bad URL or option is an error naming it; a password
 in a URL is never shown (``***``).
@@ -60,8 +62,15 @@ def _redis(url: str, path: str, query: str, create: bool) -> ByteStore:
     return RedisStore(parse_redis_url(url))
 
 
+def _redis_cluster(url: str, path: str, query: str, create: bool) -> ByteStore:
+    from kvgroups.store.redis_cluster import RedisClusterStore  # noqa: PLC0415 - loads the optional redis client
+
+    return RedisClusterStore(parse_redis_url(url))
+
+
 _OPENERS: Mapping[str, Opener] = {
     "memory": _memory, "file": _file, "redis": _redis, "rediss": _redis, "unix": _redis,
+    "redis-cluster": _redis_cluster, "rediss-cluster": _redis_cluster,
 }
 
 

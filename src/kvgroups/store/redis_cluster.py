@@ -1,0 +1,166 @@
+"""``redis-cluster://host:port[,host:port...]/``: entries spread over a Valkey/Redis Cluster by key slot.
+
+redis-py's cluster client knows the topology (which master holds which slot); values move on that
+master's connections in the server's protocol (:class:`~kvgroups.store.redis_store.RespStore`),
+and lookups are grouped per master and pipelined. Each master fails alone: one that dies costs
+the misses of its slots (its reads are misses, its writes dropped) and is left alone for a while,
+then the topology is read again, so that once a replica has been promoted the store serves those
+slots from it without a restart. Only when every master fails does an operation raise. The
+servers must run with ``cluster-require-full-coverage no``, or the whole cluster refuses queries
+while a master is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvgroups.store import resp
+from kvgroups.store.base import StoreError
+from kvgroups.store.health import Backoff, RateLimitedLog
+from kvgroups.store.redis_settings import RedisSettings
+from kvgroups.store.redis_store import KEY_PREFIX, RespStore, redis_module
+
+
+class _NodeDownError(Exception):
+    """A master that is backed off: its keys are misses, its writes dropped."""
+
+
+class RedisClusterStore(RespStore):
+    """Entries on a Valkey or Redis Cluster."""
+
+    def __init__(self, settings: RedisSettings) -> None:
+        super().__init__(settings)
+        redis = redis_module()
+        cluster: Any = importlib.import_module("redis.cluster")
+
+        kwargs = settings.connection_kwargs()
+        for name in ("host", "port", "db", "path"):
+            kwargs.pop(name, None)
+        self._client = cluster.RedisCluster(
+            startup_nodes=[cluster.ClusterNode(host, port) for host, port in settings.nodes],
+            require_full_coverage=False, cluster_error_retry_attempts=1, max_connections=settings.max_connections,
+            ssl=settings.tls, **kwargs)
+        self._redis = redis
+        # What a data-path job of one master can fail with: a miss for that job, never for the others.
+        self._isolated: tuple[type[BaseException], ...] = (_NodeDownError, *self._errors)
+        self._log = RateLimitedLog()
+        self._health: dict[str, Backoff] = {}
+        self._topology_lock = threading.Lock()
+
+    # --- which master, and whether it may be asked ----------------------------------------------------
+    def _node(self, name: bytes) -> Any:
+        node = self._client.get_node_from_key(name)
+        health = self._health.get(node.name)
+        if health is not None and not health.available():
+            raise _NodeDownError(node.name)
+        return node
+
+    def _node_failed(self, node_name: str, error: BaseException) -> None:
+        health = self._health.setdefault(node_name, Backoff(f"{self.url} master {node_name}", self._log))
+        health.failed("reach", error)
+        self._refresh_topology()
+
+    def _refresh_topology(self) -> None:
+        """Read which master holds which slot again (a replica may have been promoted)."""
+        if self._topology_lock.acquire(blocking=False):
+            try:
+                self._client.nodes_manager.initialize()
+            except self._errors:
+                pass  # no node answered: the next failure tries again
+            finally:
+                self._topology_lock.release()
+
+    @contextlib.contextmanager
+    def _connection_for(self, name: bytes) -> Iterator[Any]:
+        node = self._node(name)
+        pool = self._client.get_redis_connection(node).connection_pool
+        connection = pool.get_connection()
+        try:
+            yield connection
+        except (resp.RespError, OSError, self._redis.exceptions.RedisError) as error:
+            connection.disconnect()
+            # A refused value (OOM: full) is that value's; the master itself failed only when it could not
+            # be reached or no longer holds the slot (resharded, failed over: the topology is read again).
+            if not isinstance(error, resp.RespError) or error.message.startswith(("MOVED", "ASK", "CLUSTERDOWN")):
+                self._node_failed(node.name, error)
+            raise
+        finally:
+            pool.release(connection)
+
+    # --- the data path: a master that is down costs misses, not the others' hits -----------------------
+    # Each part of each value is one job on the workers (RespStore); a job whose master is down or
+    # fails reads nothing (a miss) or writes nothing (a dropped save), and the failure backs that
+    # master off (recorded by _connection_for).
+    def _set(self, name: bytes, value: memoryview) -> None:
+        with contextlib.suppress(*self._isolated):
+            super()._set(name, value)
+
+    def _get_part(self, name: bytes, buffer: memoryview, start: int) -> int:
+        try:
+            return super()._get_part(name, buffer, start)
+        except self._isolated:
+            return 0
+
+    def _get_whole(self, name: bytes) -> bytearray | None:
+        try:
+            return super()._get_whole(name)
+        except self._isolated:
+            return None
+
+    # --- lookups, grouped per master ----------------------------------------------------------------
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        present = [False] * len(keys)
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for index, key in enumerate(keys):
+            try:
+                node = self._node((KEY_PREFIX + key).encode())
+            except _NodeDownError:
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(index)
+        answered = 0
+        for node_name, (node, indices) in by_node.items():
+            try:
+                with self._client.get_redis_connection(node).pipeline(transaction=False) as pipeline:
+                    for index in indices:
+                        pipeline.exists(KEY_PREFIX + keys[index])
+                    for index, found in zip(indices, pipeline.execute(), strict=True):
+                        present[index] = bool(found)
+                answered += 1
+            except self._errors as error:
+                self._node_failed(node_name, error)
+        if keys and not answered:
+            raise StoreError(f"{self.url}: cannot look up {len(keys)} keys: every master asked is down or backed off")
+        return present
+
+    def stats_by_master(self) -> dict[str, int]:
+        """Keys of kvgroups' held by each master (``host:port``)."""
+        counts = {}
+        for node in self._client.get_primaries():
+            connection = self._client.get_redis_connection(node)
+            counts[node.name] = sum(1 for _ in connection.scan_iter(match=KEY_PREFIX + "*", count=1000))
+        return counts
+
+    def iter_keys(self) -> Iterator[str]:
+        """Every master's keys (a replica's are its master's)."""
+        try:
+            for node in self._client.get_primaries():
+                for name in self._client.get_redis_connection(node).scan_iter(match=KEY_PREFIX + "*", count=1000):
+                    yield name.decode("utf-8").removeprefix(KEY_PREFIX)
+        except self._errors as error:
+            raise self._fail("SCAN", error) from error
+
+    def _limit(self) -> int:
+        if self._max_value_bytes is None:
+            try:
+                node = self._client.get_random_node()
+                reply: Any = self._client.get_redis_connection(node).config_get("proto-max-bulk-len")
+                self._max_value_bytes = int(reply["proto-max-bulk-len"])
+            except (KeyError, TypeError):
+                return super()._limit()
+            except self._errors:
+                return super()._limit()
+        return self._max_value_bytes

@@ -1,0 +1,113 @@
+"""The Redis tier's data path: GET, GETRANGE and SET of large values in the server's protocol, by hand.
+
+redis-py turns every reply into a new ``bytes`` through its parser, which moves a MiB value at a
+third of the speed the server sends it. These functions speak RESP directly on a connection that
+redis-py opened (it did the connecting, TLS, AUTH, SELECT and the protocol version: bulk strings,
+errors and OK read alike in RESP2 and RESP3), reading a value straight into one
+buffer with ``recv_into`` and sending one without joining it to the command. The connection must
+be idle (no reply pending) and is unusable after any exception: the caller disconnects it.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+# Reply headers are a few bytes; the first read also takes the start of a value (small values whole).
+_FIRST_READ = 64 << 10
+
+
+class RespError(Exception):
+    """The server answered with an error (``-MOVED``, ``-OOM``, ``-NOAUTH`` ...): ``message`` says which."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _command(*parts: bytes) -> bytes:
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
+
+
+def _socket(connection: Any) -> socket.socket:
+    if connection._sock is None:
+        connection.connect()
+    sock: socket.socket = connection._sock
+    return sock
+
+
+def _read_bulk(sock: socket.socket, into: memoryview | None) -> bytearray | memoryview | None:
+    """One bulk-string reply: into ``into`` (which must be large enough) or a new buffer; None for nil."""
+    head = sock.recv(_FIRST_READ)
+    while b"\r\n" not in head:
+        more = sock.recv(_FIRST_READ)
+        if not more:
+            raise ConnectionError("the server closed the connection mid-reply")
+        head += more
+    end = head.index(b"\r\n")
+    kind, header = head[:1], head[1:end]
+    if kind == b"-":
+        raise RespError(header.decode("utf-8", "replace"))
+    if kind == b"_":  # RESP3's null (redis-py speaks RESP3 where the server does)
+        return None
+    if kind != b"$":
+        raise ConnectionError(f"unexpected reply {head[:32]!r} to a read")
+    length = int(header)
+    if length < 0:
+        return None
+    view = into[:length] if into is not None else memoryview(bytearray(length))
+    body = head[end + 2:end + 2 + length]
+    got = len(body)
+    view[:got] = body
+    while got < length:
+        received = sock.recv_into(view[got:], length - got)
+        if not received:
+            raise ConnectionError("the server closed the connection mid-value")
+        got += received
+    trailer = len(head) - (end + 2 + length)  # bytes of the final \r\n already read
+    missing = 2 - max(0, trailer)
+    while missing > 0:
+        received = len(sock.recv(missing))
+        if not received:
+            raise ConnectionError("the server closed the connection mid-reply")
+        missing -= received
+    return view if into is not None else view.obj  # type: ignore[return-value]
+
+
+def get(connection: Any, key: bytes) -> bytearray | None:
+    """The value of ``key`` in a new buffer, None when absent."""
+    sock = _socket(connection)
+    sock.sendall(_command(b"GET", key))
+    value = _read_bulk(sock, None)
+    return None if value is None else value  # type: ignore[return-value]
+
+
+def get_range(connection: Any, key: bytes, start: int, into: memoryview) -> int:
+    """Bytes ``[start, start + len(into))`` of ``key`` into ``into``; how many there were (0 when absent
+    or past the end)."""
+    sock = _socket(connection)
+    sock.sendall(_command(b"GETRANGE", key, b"%d" % start, b"%d" % (start + len(into) - 1)))
+    value = _read_bulk(sock, into)
+    return 0 if value is None else len(value)
+
+
+def set_value(connection: Any, key: bytes, value: memoryview, ttl_seconds: int | None) -> None:
+    """``SET key value [EX ttl]``, the value sent as it is (never joined to the command)."""
+    sock = _socket(connection)
+    expiry = (b"EX", b"%d" % ttl_seconds) if ttl_seconds else ()
+    count = 3 + len(expiry)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (count, len(key), key, value.nbytes)
+    tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in expiry)
+    sock.sendall(head)
+    sock.sendall(value)
+    sock.sendall(tail)
+    reply = sock.recv(_FIRST_READ)
+    while not reply.endswith(b"\r\n"):
+        more = sock.recv(_FIRST_READ)
+        if not more:
+            raise ConnectionError("the server closed the connection mid-reply")
+        reply += more
+    if reply.startswith(b"-"):
+        raise RespError(reply[1:-2].decode("utf-8", "replace"))
+    if reply != b"+OK\r\n":
+        raise ConnectionError(f"unexpected reply {reply[:32]!r} to SET")

@@ -1,0 +1,134 @@
+"""A Valkey/Redis Cluster as the multi-node store, on a real cluster started here (3 masters, 3 replicas).
+
+A master killed mid-run costs the misses of its slots, never an exception, and once its replica
+is promoted the store serves them again without a restart; two processes with their own store
+objects and connections share prefixes through the cluster. (The contract every tier keeps runs on
+a cluster too: tests/test_store_contract.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgroups.cli import main
+from kvgroups.store import KVChunkStore, open_store
+from kvgroups.store.redis_cluster import RedisClusterStore
+from tests.servers import running_cluster
+from tests.test_chunk_store import build_metadata, chunk_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = [("full", 0), ("sliding", 12), ("recurrent", 0)]
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[1000 * prompt + token for token in range(40)] for prompt in range(count)]
+
+
+def save_all(store: KVChunkStore, tokens_list: list[list[int]]) -> None:
+    for tokens in tokens_list:
+        keys = store.keys(tokens)
+        for chunk in range(len(keys)):
+            store.save(tokens, chunk, chunk_tensors(store, tokens, chunk), keys=keys)
+    assert store.flush(timeout=30)
+
+
+def assert_exact(store: KVChunkStore, tokens: list[int], loaded_tokens: int) -> None:
+    loaded = store.load(tokens, loaded_tokens)
+    assert loaded.num_tokens == loaded_tokens
+    for part in loaded.groups:
+        if store.groups[part.group_index].token_indexed:
+            first, last = part.first_token // 8, loaded_tokens // 8
+            expected = torch.cat([chunk_tensors(store, tokens, chunk)[part.group_index]
+                                  for chunk in range(first, last)], dim=2)
+        else:
+            expected = chunk_tensors(store, tokens, loaded_tokens // 8 - 1)[part.group_index]
+        assert torch.equal(part.tensor, expected)
+
+
+def test_a_master_that_dies_costs_misses_then_hits_again_after_failover(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgroups.store import health
+
+    monkeypatch.setattr(health, "RETRY_AFTER_SECONDS", 0.5)
+    with running_cluster(tmp_path / "cluster") as cluster:
+        store = KVChunkStore(build_metadata(KINDS), cluster.url)
+        assert isinstance(store.store, RedisClusterStore)
+        every = prompts(12)
+        save_all(store, every)
+        assert [store.lookup(tokens) for tokens in every] == [40] * 12
+        assert all(count > 0 for count in store.store.stats_by_master().values())  # spread over every master
+        for port in cluster.masters():  # replicated before the kill (replication is asynchronous)
+            assert cluster.ask(port, "wait", "1", "5000").strip() == "1"
+        victim = cluster.masters()[0]
+        cluster.kill(victim)
+        served = [store.lookup(tokens) for tokens in every]  # never an exception: misses of its slots
+        for tokens, boundary in zip(every, served, strict=True):
+            assert store.verify(tokens, boundary) <= boundary
+            assert store.load(tokens, boundary).num_tokens <= boundary
+        assert min(served) < 40
+        cluster.wait_for_masters(3)  # a replica took over the dead master's slots
+        deadline = time.monotonic() + 30
+        while [store.lookup(tokens) for tokens in every] != [40] * 12:
+            assert time.monotonic() < deadline, "the store did not serve the promoted replica's slots"
+            time.sleep(0.5)
+        for tokens in every:
+            assert_exact(store, tokens, 40)
+        store.close()
+
+
+WRITER = """
+    import sys
+    from kvgroups.store import KVChunkStore
+    from tests.test_chunk_store import build_metadata
+    from tests.test_store_cluster import KINDS, prompts, save_all
+    store = KVChunkStore(build_metadata(KINDS), sys.argv[1])
+    save_all(store, prompts(int(sys.argv[2]))[int(sys.argv[3]):])
+    store.close()
+"""
+
+
+def test_two_processes_share_prefixes_through_the_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with running_cluster(tmp_path / "cluster") as cluster:
+        # Another "node": its own process, store object and connections, writing prompts 2-5.
+        subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), cluster.url, "6", "2"], cwd=ROOT, check=True,
+                       timeout=120)
+        here = KVChunkStore(build_metadata(KINDS), cluster.url)
+        save_all(here, prompts(2))  # and this one writes prompts 0-1
+        for tokens in prompts(6):
+            assert here.lookup(tokens) == 40
+            assert_exact(here, tokens, 40)
+        reader = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+            import json, sys
+            from kvgroups.store import KVChunkStore
+            from tests.test_chunk_store import build_metadata
+            from tests.test_store_cluster import KINDS, prompts
+            store = KVChunkStore(build_metadata(KINDS), sys.argv[1])
+            print(json.dumps([store.lookup(tokens) for tokens in prompts(2)]))
+        """), cluster.url], cwd=ROOT, check=True, timeout=120, capture_output=True, text=True)
+        assert json.loads(reader.stdout) == [40, 40]
+        # The CLI sees every master's entries.
+        assert main(["store", "stats", cluster.url, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["entries"] == 6 * 5 * 3  # six prompts of five chunks, three groups each
+        assert main(["store", "verify", cluster.url]) == 0
+        assert "0 bad" in capsys.readouterr().out
+        here.close()
+
+
+def test_cluster_urls_are_checked(tmp_path: Path) -> None:
+    from kvgroups.errors import KVGroupsError
+
+    with pytest.raises(KVGroupsError, match=r"'h1' is not host:port"):
+        open_store("redis-cluster://h1,h2:7001/")
+    with pytest.raises(KVGroupsError, match=r"a cluster has one database"):
+        open_store("redis-cluster://h1:7000/3")
+    with pytest.raises(KVGroupsError, match=r"ttl='0.5' must be a positive number of whole seconds"):
+        open_store("redis-cluster://h1:7000/?ttl=0.5")
