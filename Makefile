@@ -40,12 +40,15 @@ $(VLLM_VENV)/.installed: pyproject.toml
 .PHONY: setup demo test test-vllm bench redis-server
 setup: $(VENV)/.installed
 
-# The Redis tier is tested against a real server: Debian's redis-server package (a maintained
-# build of a current Redis, one apt-get on the Debian machines this project runs on; Valkey is
-# used instead when it is installed).
+# The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
+# maintained build of a current Redis, with redis-tools' redis-cli, which creates the clusters;
+# one apt-get on the Debian machines this project runs on; Valkey is used instead when it is
+# installed), and openssl for the TLS tests' certificates.
 redis-server:
-	@command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
+	@(command -v valkey-server >/dev/null || command -v redis-server >/dev/null) && \
+		(command -v valkey-cli >/dev/null || command -v redis-cli >/dev/null) && command -v openssl >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools \
+			openssl >/dev/null)
 
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/prefix_reuse_demo.py

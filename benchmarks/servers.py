@@ -10,7 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.servers import installed_server, running_server
+from tests.servers import installed_server, running_cluster, running_server
+
+__all__ = ["installed_server", "local_redis", "running_cluster", "running_server"]
 
 
 @contextmanager

@@ -19,7 +19,10 @@ microsecond, are timed 64 at a time and divided).
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from kvgroups.core.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
-from servers import local_redis
+from servers import installed_server, local_redis, running_cluster, running_server
 
 Action = Callable[[int], object]
 
@@ -164,10 +167,67 @@ def sealed_rows(directory: Path, size: int, iterations: int) -> list[str]:
     return pair("file + MAC", {"secret": secret}) + pair("file + encryption", {"secret": secret, "encrypt": True})
 
 
+def anchor_gibs(port: int, op: str, size: int, requests: int) -> float:
+    """What the server's own C client moves with one connection: ``redis-benchmark -c 1``, GiB/s."""
+    output = subprocess.run(["redis-benchmark", "-p", str(port), "-t", op, "-c", "1", "-d", str(size), "-n",
+                             str(requests), "-q"], capture_output=True, text=True, check=True).stdout
+    (rate,) = re.findall(r"([\d.]+) requests per second", output.replace("\r", "\n"))[-1:]
+    return float(rate) * size / (1 << 30)
+
+
+def server_rows(root: Path, rounds: int) -> list[str]:
+    """The Redis tier, on one server and on a 3-master cluster, against ``redis-benchmark -c 1`` with
+    1 MiB values (the raw anchor), run in turn, round after round; ratios are medians over the
+    rounds of ours / the anchor's rate in the same round."""
+    if shutil.which("redis-benchmark") is None or installed_server() is None:
+        return ["| - | - | - | no redis-benchmark or server installed | |"]
+    rows: dict[tuple[str, str, int, str], list[float]] = {}
+    with running_server(root / "server") as server, running_cluster(root / "cluster") as cluster:
+        stores = {"redis": open_store(server.url), "redis-cluster": open_store(cluster.url)}
+        for _ in range(rounds):
+            anchors = {op: anchor_gibs(server.port, op, MIB, 60) for op in ("get", "set")}
+            for op, rate in anchors.items():
+                rows.setdefault(("redis-benchmark -c 1", op.upper(), MIB, "get" if op == "get" else "put"),
+                                []).append(rate / rate)
+                rows.setdefault(("anchor", op, MIB, ""), []).append(rate)
+            for name, store in stores.items():
+                for size in (MIB, 16 * MIB):
+                    # Eight keys replaced in turn: the server's own client replaces one key, so neither
+                    # pays for the server allocating new memory on every write.
+                    count = max(8, 64 * MIB // size)
+                    value = memoryview(bytearray(size))
+                    begin = time.perf_counter()
+                    for index in range(count):
+                        store.put(f"b{size}-{index % 8}", value)
+                    put = size * count / (time.perf_counter() - begin) / (1 << 30)
+                    begin = time.perf_counter()
+                    for index in range(count):
+                        store.get(f"b{size}-{index % 8}", max_bytes=size)
+                    get = size * count / (time.perf_counter() - begin) / (1 << 30)
+                    rows.setdefault((name, "get", size, "get"), []).append(get / anchors["get"])
+                    rows.setdefault((name, "put", size, "put"), []).append(put / anchors["set"])
+                    rows.setdefault(("rate", f"{name} get", size, ""), []).append(get)
+                    rows.setdefault(("rate", f"{name} put", size, ""), []).append(put)
+        for store in stores.values():
+            store.clear()
+            store.close()
+    lines = []
+    for (client, op, size, anchor_op), ratios in rows.items():
+        if client in ("anchor", "rate"):
+            continue
+        if client == "redis-benchmark -c 1":
+            rate = statistics.median(rows[("anchor", anchor_op if anchor_op == "get" else "set", MIB, "")])
+        else:
+            rate = statistics.median(rows[("rate", f"{client} {op}", size, "")])
+        lines.append(f"| {client} | {size // MIB} MiB | {op} | {rate:.2f} | {statistics.median(ratios):.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=120, help="pairs per row (32 MiB rows use a quarter)")
     parser.add_argument("--tiers", default="memory,file,redis,sealed")
+    parser.add_argument("--server-rounds", type=int, default=7, help="rounds of the Redis-against-its-client table")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}; entries handed over as memoryviews of a reused buffer\n")
     print("| tier | entry | op | ours GiB/s | ours p50 / p99 ms | raw GiB/s | raw p50 / p99 ms | vs raw |")
@@ -188,6 +248,13 @@ def main() -> None:
                     rows = redis_rows(directory, size, iterations)
                 for line in rows:
                     print(line, flush=True)
+        if args.server_rounds:
+            print("\nThe Redis tier (one server, a 3-master cluster) against the server's own C client, one "
+                  "connection each:\n")
+            print("| client | entry | op | GiB/s | vs redis-benchmark's 1 MiB rate of the same op |")
+            print("|---|---|---|---|---|")
+            for line in server_rows(Path(tempfile.mkdtemp(dir=root)), args.server_rounds):
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

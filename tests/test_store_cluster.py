@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from kvgroups.cli import main
-from kvgroups.store import KVChunkStore, open_store
+from kvgroups.core.sizes import MIB
+from kvgroups.store import KVChunkStore, open_store, value_parts
 from kvgroups.store.redis_cluster import RedisClusterStore
 from tests.servers import running_cluster
 from tests.test_chunk_store import build_metadata, chunk_tensors
@@ -121,6 +123,36 @@ def test_two_processes_share_prefixes_through_the_cluster(tmp_path: Path, capsys
         assert main(["store", "verify", cluster.url]) == 0
         assert "0 bad" in capsys.readouterr().out
         here.close()
+
+
+def test_each_master_evicts_its_own_least_recently_used(tmp_path: Path) -> None:
+    """Under allkeys-lru a master evicts its own least recently used values: keys that hash to one
+    master, the first used after the others were written, then filled until the second goes."""
+    value = 256 * 1024 - 64
+    settings = ("--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
+    with running_cluster(tmp_path / "cluster", settings=settings) as cluster:
+        store = open_store(cluster.url)
+        assert isinstance(store, RedisClusterStore)
+        master = store._client.get_node_from_key(value_parts.head_name("k0")).name
+        same = [name for name in (f"k{index}" for index in range(400))
+                if store._client.get_node_from_key(value_parts.head_name(name)).name == master]
+        port = int(master.rsplit(":", 1)[1])
+        client = redis.Redis(port=port)
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 2 * MIB)
+        for name in same[:4]:
+            store.put(name, bytes(value))
+        time.sleep(1.1)  # a server's LRU clock ticks once a second
+        assert store.get(same[0]) is not None
+        time.sleep(1.1)
+        filled = 4
+        while store.contains(same[1]):
+            assert filled < 24, "nothing was evicted"
+            store.put(same[filled], bytes(value))
+            filled += 1
+        assert store.get(same[0]) is not None  # used after the others: still there
+        assert not store.contains(same[1])
+        client.close()
+        store.close()
 
 
 def test_cluster_urls_are_checked(tmp_path: Path) -> None:

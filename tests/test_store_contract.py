@@ -37,16 +37,13 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
 
 
 def _cluster_opener(cluster: Cluster) -> Opener:
-    """The cluster as one store. Each master keeps three quarters of the budget, LRU as a server
-    does: an LRU is each master's own, and with that share the LRU test's keys (k1 and k2 on one
-    master, k0 on another, the fill keys in the order they hash) fill k1's master first, as they
-    would fill one server."""
+    """The cluster as one store, each master keeping the budget, LRU as a server does."""
     def open_with(budget: int) -> ByteStore:
         store = open_store(cluster.url)
         store.clear()
         for port in cluster.masters():
             client = redis.Redis(port=port)
-            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 3 * budget // 4)
+            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + budget)
             client.close()
         return store
 
@@ -110,6 +107,9 @@ def test_batches_and_keys_that_need_escaping(opener: Opener) -> None:
 def test_least_recently_used_goes_first_within_the_budget(opener: Opener) -> None:
     value = 256 * 1024 - 64  # what a server's allocator holds in 256 KiB
     with opener(2 * MIB) as store:
+        if store.url.startswith("redis-cluster"):
+            pytest.skip("a cluster's LRU is each master's own, not one over all keys: "
+                        "tests/test_store_cluster.py::test_each_master_evicts_its_own_least_recently_used")
         for index in range(4):
             store.put(f"k{index}", bytes([index]) * value)
         if store.url.startswith(("redis", "unix")):

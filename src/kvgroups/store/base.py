@@ -109,8 +109,8 @@ class ByteStore(abc.ABC):
 
 
 Value = bytes | bytearray | memoryview
-# What a read returns: a buffer of its own (never shared with another read).
-Stored = bytes | bytearray
+# What a read returns: a buffer of its own (never shared with another read), or a view of one.
+Stored = bytes | bytearray | memoryview
 
 
 def cut(value: bytes, max_bytes: int | None) -> bytes:

@@ -18,11 +18,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvgroups.store import resp
+from kvgroups.store import resp, value_parts
 from kvgroups.store.base import StoreError
 from kvgroups.store.health import Backoff, RateLimitedLog
 from kvgroups.store.redis_settings import RedisSettings
-from kvgroups.store.redis_store import KEY_PREFIX, RespStore, redis_module
+from kvgroups.store.redis_store import RespStore, redis_module
+from kvgroups.store.value_parts import KEY_PREFIX
 
 
 class _NodeDownError(Exception):
@@ -95,21 +96,15 @@ class RedisClusterStore(RespStore):
     # Each part of each value is one job on the workers (RespStore); a job whose master is down or
     # fails reads nothing (a miss) or writes nothing (a dropped save), and the failure backs that
     # master off (recorded by _connection_for).
-    def _set(self, name: bytes, value: memoryview) -> None:
+    def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> None:
         with contextlib.suppress(*self._isolated):
-            super()._set(name, value)
+            super()._set(layout)
 
-    def _get_part(self, name: bytes, buffer: memoryview, start: int) -> int:
+    def _get_range(self, name: bytes, buffer: bytearray, start: int) -> int:
         try:
-            return super()._get_part(name, buffer, start)
+            return super()._get_range(name, buffer, start)
         except self._isolated:
             return 0
-
-    def _get_whole(self, name: bytes) -> bytearray | None:
-        try:
-            return super()._get_whole(name)
-        except self._isolated:
-            return None
 
     # --- lookups, grouped per master ----------------------------------------------------------------
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
@@ -117,7 +112,7 @@ class RedisClusterStore(RespStore):
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for index, key in enumerate(keys):
             try:
-                node = self._node((KEY_PREFIX + key).encode())
+                node = self._node(value_parts.head_name(key))
             except _NodeDownError:
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(index)
@@ -126,7 +121,7 @@ class RedisClusterStore(RespStore):
             try:
                 with self._client.get_redis_connection(node).pipeline(transaction=False) as pipeline:
                     for index in indices:
-                        pipeline.exists(KEY_PREFIX + keys[index])
+                        pipeline.exists(value_parts.head_name(keys[index]))
                     for index, found in zip(indices, pipeline.execute(), strict=True):
                         present[index] = bool(found)
                 answered += 1
@@ -137,19 +132,20 @@ class RedisClusterStore(RespStore):
         return present
 
     def stats_by_master(self) -> dict[str, int]:
-        """Keys of kvgroups' held by each master (``host:port``)."""
+        """Values of kvgroups' held by each master (``host:port``)."""
         counts = {}
         for node in self._client.get_primaries():
             connection = self._client.get_redis_connection(node)
-            counts[node.name] = sum(1 for _ in connection.scan_iter(match=KEY_PREFIX + "*", count=1000))
+            counts[node.name] = sum(value_parts.key_of(name.decode("utf-8")) is not None
+                                    for name in connection.scan_iter(match=KEY_PREFIX + "*", count=1000))
         return counts
 
-    def iter_keys(self) -> Iterator[str]:
-        """Every master's keys (a replica's are its master's)."""
+    def _scan(self) -> Iterator[str]:
+        """Every master's server keys of kvgroups' (a replica's are its master's)."""
         try:
             for node in self._client.get_primaries():
                 for name in self._client.get_redis_connection(node).scan_iter(match=KEY_PREFIX + "*", count=1000):
-                    yield name.decode("utf-8").removeprefix(KEY_PREFIX)
+                    yield name.decode("utf-8")
         except self._errors as error:
             raise self._fail("SCAN", error) from error
 

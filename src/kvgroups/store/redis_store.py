@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvgroups.core.sizes import MIB
-from kvgroups.store import resp
+from kvgroups.store import resp, value_parts
 from kvgroups.store.base import (
     ByteStore,
     EntryTooLargeError,
@@ -32,12 +32,11 @@ from kvgroups.store.base import (
     check_value,
 )
 from kvgroups.store.redis_settings import RedisSettings
+from kvgroups.store.value_parts import HEADER_BYTES, KEY_PREFIX, PART_BYTES
 
-KEY_PREFIX = "kvgroups:"
 # What a server accepts when it does not say (Redis' and Valkey's default proto-max-bulk-len).
 _DEFAULT_MAX_VALUE_BYTES = 512 * MIB
-# Values read whole up to this size; larger ones in parts of it, over several connections at once.
-PART_BYTES = 4 * MIB
+# Connections a store moves values over at once (parts of one value, or several values).
 PARALLEL_READS = 4
 
 
@@ -100,75 +99,97 @@ class RespStore(ByteStore):
             )
         return view
 
-    # --- the data path ------------------------------------------------------------------------
+    # --- the data path: values in parts (:mod:`kvgroups.store.value_parts`) ----------------------------
     def put(self, key: str, value: Value) -> None:
         self.put_many([(key, value)])
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
-        checked = [((KEY_PREFIX + key).encode(), self._checked(key, value)) for key, value in items]
-        self._run("SET", [(self._set, name, value) for name, value in checked])
+        layouts = [value_parts.split(key, self._checked(key, value)) for key, value in items]
+        # One value on one connection (its parts, then its head, in order: a server reads one stream
+        # as fast as a client sends it); several values at once over the workers.
+        self._run("SET", [(self._set, layout) for layout in layouts])
 
-    def _set(self, name: bytes, value: memoryview) -> None:
-        with self._connection_for(name) as connection:
-            resp.set_value(connection, name, value, self.ttl_seconds)
+    def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> None:
+        with self._connection_for(layout[-1][0]) as connection:
+            resp.set_values(connection, layout, self.ttl_seconds)
 
     def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         return self.get_many([key], max_bytes)[0]
 
     def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[Stored | None]:
-        names = [(KEY_PREFIX + key).encode() for key in keys]
-        if max_bytes is None:  # whole values (inspection), one at a time
-            return self._run("GET", [(self._get_whole, name) for name in names])
-        # At most max_bytes + 1 bytes of each (a value longer than any entry is never read whole), in
-        # parts of PART_BYTES, every part of every value fetched at once over the workers' connections.
-        buffers = [bytearray(max_bytes + 1) for _ in names]
-        views = [memoryview(buffer) for buffer in buffers]
-        jobs = [(self._get_part, name, view, start)
-                for name, view in zip(names, views, strict=True) for start in range(0, max_bytes + 1, PART_BYTES)]
-        try:
-            lengths = self._run("GET", jobs)
-        finally:
-            del jobs
-            for view in views:
-                view.release()  # so that each buffer can shrink to its value
+        """Heads first (the header and the first part, into the value's buffer), then every other part
+        of every value at once; at most ``max_bytes + 1`` bytes of each (a value longer than any entry
+        is never read whole)."""
+        first = HEADER_BYTES + PART_BYTES
+        capacity = HEADER_BYTES + (max_bytes + 1 if max_bytes is not None else PART_BYTES)
+        buffers = [bytearray(max(capacity, first) if max_bytes is None else capacity) for _ in keys]
+        heads = self._run("GET", [(self._get_range, value_parts.head_name(key), buffer, 0)
+                                  for key, buffer in zip(keys, buffers, strict=True)])
+        jobs, wanted = [], []
+        for index, (key, length) in enumerate(zip(keys, heads, strict=True)):
+            header = value_parts.Header.unpack(buffers[index]) if length else None
+            if header is None:  # absent; or not a value kvgroups wrote: its bytes, which no decoder takes
+                wanted.append(0 if not length else -length)
+                continue
+            want = header.length if max_bytes is None else min(header.length, max_bytes + 1)
+            if HEADER_BYTES + want > len(buffers[index]):
+                buffers[index] = buffers[index][:length] + bytearray(HEADER_BYTES + want - length)
+            wanted.append(want)
+            jobs += [(self._get_range, value_parts.part_name(key, part), buffers[index],
+                      HEADER_BYTES + part * header.part_bytes) for part in range(1, -(-want // header.part_bytes))]
+        lengths = dict(zip(((job[1], job[3]) for job in jobs), self._run("GET", jobs), strict=True))
         values: list[Stored | None] = []
-        position = 0
-        for buffer in buffers:
-            parts = -(-(max_bytes + 1) // PART_BYTES)
-            length = _contiguous(lengths[position:position + parts])
-            position += parts
-            del buffer[length:]  # shrinks in place
-            values.append(buffer if length else None)  # an entry is never empty: empty is absent
+        for index, (key, want) in enumerate(zip(keys, wanted, strict=True)):
+            if want <= 0:
+                values.append(bytes(buffers[index][:-want]) if want else None)
+                continue
+            header = value_parts.Header.unpack(buffers[index])
+            assert header is not None  # unpacked above
+            parts = range(1, -(-want // header.part_bytes))
+            expected = [min(header.part_bytes, want - part * header.part_bytes) for part in parts]
+            got = [lengths[value_parts.part_name(key, part), HEADER_BYTES + part * header.part_bytes]
+                   for part in parts]
+            # A part gone (evicted, expired) while its head stayed: the value is a miss.
+            values.append(memoryview(buffers[index])[HEADER_BYTES:HEADER_BYTES + want] if got == expected else None)
         return values
 
-    def _get_whole(self, name: bytes) -> bytearray | None:
+    def _get_range(self, name: bytes, buffer: bytearray, start: int) -> int:
+        """Server key ``name`` (a head: header and first part; or a part) into ``buffer`` from ``start``,
+        as much as fits; how many bytes it held."""
+        size = HEADER_BYTES + PART_BYTES if start == 0 else PART_BYTES
         with self._connection_for(name) as connection:
-            return resp.get(connection, name)
-
-    def _get_part(self, name: bytes, buffer: memoryview, start: int) -> int:
-        with self._connection_for(name) as connection:
-            return resp.get_range(connection, name, start, buffer[start:start + PART_BYTES])
+            view = memoryview(buffer)
+            try:
+                return resp.get_range(connection, name, 0, view[start:start + size])
+            finally:
+                view.release()
 
     def _run(self, action: str, jobs: list[tuple[Any, ...]]) -> list[Any]:
         """Each ``(function, *arguments)``: on this thread when there is one, else on the workers."""
         try:
-            if len(jobs) == 1:
-                function, *arguments = jobs[0]
-                return [function(*arguments)]
+            if len(jobs) <= 1:
+                return [function(*arguments) for function, *arguments in jobs]
             futures = [self._workers.submit(*job) for job in jobs]
             return [future.result() for future in futures]
         except self._errors as error:
             raise self._fail(f"{action} {len(jobs)} value(s)", error) from error
 
     def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
-        name = (KEY_PREFIX + key).encode()
-        buffer = bytearray(num_bytes)
-        length = self._run("GETRANGE", [(self._get_part_of, name, memoryview(buffer))])[0]
-        return bytes(buffer[:length]) if length else None
+        value = self.get(key, max(num_bytes - 1, 0))
+        return None if value is None else bytes(value[:num_bytes])
 
-    def _get_part_of(self, name: bytes, buffer: memoryview) -> int:
+    def _header(self, key: str) -> value_parts.Header | None:
+        buffer = bytearray(HEADER_BYTES)
+        length = self._run("GET", [(self._get_range_of, value_parts.head_name(key), buffer)])[0]
+        return value_parts.Header.unpack(buffer) if length == HEADER_BYTES else None
+
+    def _get_range_of(self, name: bytes, buffer: bytearray) -> int:
         with self._connection_for(name) as connection:
-            return resp.get_range(connection, name, 0, buffer)
+            view = memoryview(buffer)
+            try:
+                return resp.get_range(connection, name, 0, view)
+            finally:
+                view.release()
 
     # --- lookups and housekeeping (redis-py, pipelined) -------------------------------------------
     def contains(self, key: str) -> bool:
@@ -180,47 +201,61 @@ class RespStore(ByteStore):
         try:
             with self._client.pipeline(transaction=False) as pipeline:
                 for key in keys:
-                    pipeline.exists(KEY_PREFIX + key)
+                    pipeline.exists(value_parts.head_name(key))
                 return [bool(found) for found in pipeline.execute()]
         except self._errors as error:
             raise self._fail(f"EXISTS {len(keys)} keys", error) from error
 
     def delete(self, key: str) -> bool:
+        header = self._header(key)
+        names = [value_parts.head_name(key)]
+        if header is not None:
+            names += [value_parts.part_name(key, part) for part in range(1, header.num_parts)]
         try:
-            return bool(self._client.delete(KEY_PREFIX + key))
+            return bool(self._client.delete(names[0])) | bool(names[1:] and self._delete_names(names[1:]))
         except self._errors as error:
             raise self._fail(f"DEL {key!r}", error) from error
 
+    def _delete_names(self, names: list[bytes]) -> int:
+        return sum(int(self._client.delete(name)) for name in names)  # one slot each, any deployment
+
     def size_of(self, key: str) -> int | None:
+        header = self._header(key)
+        if header is not None:
+            return header.length
         try:
-            with self._client.pipeline(transaction=False) as pipeline:
-                pipeline.exists(KEY_PREFIX + key)
-                pipeline.strlen(KEY_PREFIX + key)
-                exists, length = pipeline.execute()
+            length = self._client.strlen(value_parts.head_name(key))
         except self._errors as error:
             raise self._fail(f"STRLEN {key!r}", error) from error
-        return int(length) if exists else None
+        return int(length) or None
 
-    def iter_keys(self) -> Iterator[str]:
+    def _scan(self) -> Iterator[str]:
+        """Every server key of kvgroups' (heads, parts, and what an older version wrote)."""
         try:
             for name in self._client.scan_iter(match=KEY_PREFIX + "*", count=1000):
-                yield name.decode("utf-8").removeprefix(KEY_PREFIX)
+                yield name.decode("utf-8")
         except self._errors as error:
             raise self._fail("SCAN", error) from error
+
+    def iter_keys(self) -> Iterator[str]:
+        for name in self._scan():
+            key = value_parts.key_of(name)
+            if key is not None:
+                yield key
+
+    def clear(self) -> int:
+        """Delete every server key of kvgroups' (parts of replaced values too); how many values went."""
+        names = list(self._scan())
+        try:
+            for name in names:
+                self._client.delete(name)
+        except self._errors as error:
+            raise self._fail("DEL", error) from error
+        return sum(value_parts.key_of(name) is not None for name in names)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
         self._client.close()
-
-
-def _contiguous(lengths: Sequence[int]) -> int:
-    """The bytes the parts of one value hold, up to the first part the value did not fill."""
-    total = 0
-    for length in lengths:
-        total += length
-        if length < PART_BYTES:
-            break
-    return total
 
 
 class RedisStore(RespStore):

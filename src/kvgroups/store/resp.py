@@ -91,23 +91,27 @@ def get_range(connection: Any, key: bytes, start: int, into: memoryview) -> int:
     return 0 if value is None else len(value)
 
 
-def set_value(connection: Any, key: bytes, value: memoryview, ttl_seconds: int | None) -> None:
-    """``SET key value [EX ttl]``, the value sent as it is (never joined to the command)."""
+def set_values(connection: Any, values: list[tuple[bytes, list[memoryview | bytes]]], ttl_seconds: int | None) -> None:
+    """``SET key value [EX ttl]`` for each ``(key, pieces)`` in order, pipelined: every command is sent,
+    then every reply read. A value is its ``pieces`` one after the other, each sent as it is (never
+    joined to the command or to each other). Raises the first error reply, after reading them all."""
     sock = _socket(connection)
     expiry = (b"EX", b"%d" % ttl_seconds) if ttl_seconds else ()
-    count = 3 + len(expiry)
-    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (count, len(key), key, value.nbytes)
     tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in expiry)
-    sock.sendall(head)
-    sock.sendall(value)
-    sock.sendall(tail)
-    reply = sock.recv(_FIRST_READ)
-    while not reply.endswith(b"\r\n"):
+    for key, pieces in values:
+        length = sum(len(piece) if isinstance(piece, bytes) else piece.nbytes for piece in pieces)
+        sock.sendall(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(expiry), len(key), key, length))
+        for piece in pieces:
+            sock.sendall(piece)
+        sock.sendall(tail)
+    replies = b""
+    while replies.count(b"\r\n") < len(values):
         more = sock.recv(_FIRST_READ)
         if not more:
             raise ConnectionError("the server closed the connection mid-reply")
-        reply += more
-    if reply.startswith(b"-"):
-        raise RespError(reply[1:-2].decode("utf-8", "replace"))
-    if reply != b"+OK\r\n":
-        raise ConnectionError(f"unexpected reply {reply[:32]!r} to SET")
+        replies += more
+    for reply in replies.split(b"\r\n")[:len(values)]:
+        if reply.startswith(b"-"):
+            raise RespError(reply[1:].decode("utf-8", "replace"))
+        if reply != b"+OK":
+            raise ConnectionError(f"unexpected reply {reply[:32]!r} to SET")
