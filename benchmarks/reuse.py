@@ -2,7 +2,7 @@
 
 A random-weight llama-like model (8 layers, hidden 1024, 16 heads, 8 KV heads, vocab 32000,
 float32) and a 4096-token prompt that shares its first 3840 tokens with a prompt stored before.
-In one run, interleaved (recompute, memory, file, Valkey/Redis, recompute, ...):
+In one run, interleaved (recompute, memory, file, Valkey/Redis, a Valkey/Redis Cluster, recompute, ...):
   * time to first token: PrefixCache.prefill (lookup, load, restore, compute the rest, logits of the
     last position) from each tier, against one plain forward of the whole prompt;
   * a miss: PrefixCache.prefill of a new prompt (which computes and saves every chunk) against one
@@ -26,7 +26,7 @@ import transformers
 
 from kvgroups.integrations.transformers import PrefixCache
 from models import gemma3_like, llama_like
-from servers import local_redis
+from servers import local_cluster, local_redis
 
 PROMPT, SHARED, CHUNK = 4096, 3840, 256
 
@@ -61,10 +61,12 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     stored = torch.randint(3, 32000, (PROMPT,), generator=generator)
     prompt = torch.cat([stored[:SHARED], torch.randint(3, 32000, (PROMPT - SHARED,), generator=generator)])
-    with tempfile.TemporaryDirectory() as root, local_redis(Path(root)) as redis_url:
+    with tempfile.TemporaryDirectory() as root, local_redis(Path(root) / "server") as redis_url, \
+            local_cluster(Path(root) / "cluster") as cluster_url:
         urls = {"memory": "memory://?max_bytes=4GiB", "file": f"file://{root}/kv"}
-        if redis_url:
+        if redis_url and cluster_url:
             urls["Valkey/Redis"] = redis_url
+            urls["a Valkey/Redis Cluster (3 masters, 3 replicas)"] = cluster_url
         caches = {tier: PrefixCache(model, url, chunk_size=CHUNK) for tier, url in urls.items()}
         for cache in caches.values():
             cache.prefill(stored)

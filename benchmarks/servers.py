@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.servers import installed_server, running_cluster, running_server
 
-__all__ = ["installed_server", "local_redis", "running_cluster", "running_server"]
+__all__ = ["installed_server", "local_cluster", "local_redis", "running_cluster", "running_server"]
 
 
 @contextmanager
@@ -23,3 +23,14 @@ def local_redis(directory: Path) -> Iterator[str | None]:
         return
     with running_server(directory) as server:
         yield server.url
+
+
+@contextmanager
+def local_cluster(directory: Path) -> Iterator[str | None]:
+    """A ``redis-cluster://`` URL of a 3-master, 3-replica cluster in ``directory``, or None where no
+    server is installed."""
+    if installed_server() is None:
+        yield None
+        return
+    with running_cluster(directory) as cluster:
+        yield cluster.url
