@@ -11,27 +11,49 @@ lets them reach a request. Reads take ``max_bytes``: a value longer than that is
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 from kvgroups.errors import KVGroupsError
+from kvgroups.store.metrics import TierMetrics
+
+# Guards the lazy creation of a tier's metrics (two chunk stores may open over one tier at once).
+_TIER_METRICS_LOCK = threading.Lock()
 
 
 class StoreError(OSError):
     """A store could not be read or written (unreachable, full, refused); callers degrade to a miss."""
 
+    kind = "unavailable"  # what the metrics count it as (kvgroups_errors_total{kind})
+
 
 class StoreTimeoutError(StoreError):
     """A store did not answer within its timeout (a hung server, a saturated connection pool)."""
+
+    kind = "timeout"
 
 
 class StoreFullError(StoreError):
     """A store's medium stayed full after evicting down to its low watermark."""
 
+    kind = "full"
+
 
 class EntryTooLargeError(KVGroupsError):
     """A value is larger than the tier accepts; the message says both sizes."""
+
+    kind = "too_large"
+
+
+def error_kind(error: BaseException) -> str:
+    """What a store failure counts as in the metrics: its own ``kind``; a client library's timeout
+    (builtin or redis-py's, whose classes share the name) is a timeout; anything else unavailable."""
+    kind = getattr(error, "kind", None)
+    if isinstance(kind, str):
+        return kind
+    return "timeout" if isinstance(error, TimeoutError) or type(error).__name__ == "TimeoutError" else "unavailable"
 
 
 @dataclass(frozen=True)
@@ -44,8 +66,46 @@ class ByteStore(abc.ABC):
     """Values by key. Thread-safe; the batch forms exist where a tier does them in one round trip."""
 
     url: str
+    tier_name = "store"  # the metrics' tier label: memory, file, redis, redis-cluster
     # Whether other deployments may keep their entries here too (a server): clearing it then asks first.
     shared = False
+
+    @property
+    def tier_metrics(self) -> TierMetrics:
+        """This tier's own numbers (values asked for and found, errors by kind), counted by its caller."""
+        with _TIER_METRICS_LOCK:
+            metrics: TierMetrics | None = self.__dict__.get("_tier_metrics")
+            if metrics is None:
+                metrics = self.__dict__["_tier_metrics"] = TierMetrics(self.tier_name)
+        return metrics
+
+    @property
+    def tiers(self) -> list[ByteStore]:
+        """The tiers this store is made of: itself, or a tier list's tiers."""
+        return [self]
+
+    def record_read(self, asked: int, found: int) -> None:
+        """Count a read of ``asked`` values of which ``found`` were there (a tier list counts each tier
+        as it asks it instead)."""
+        metrics = self.tier_metrics
+        metrics.gets += asked
+        metrics.hits += found
+
+    def record_error(self, error: BaseException) -> None:
+        """Count a failure of this store by its kind (a tier list counts each tier's instead)."""
+        self.tier_metrics.error(error_kind(error))
+
+    def backed_off(self) -> dict[str, bool]:
+        """Per tier name, whether the store leaves that tier alone now (a tier list's back-offs)."""
+        return {}
+
+    def gauges(self) -> dict[str, float]:
+        """What only the tier knows, where it knows it: ``entries``, ``bytes``, ``evictions``."""
+        return {}
+
+    def locate_many(self, keys: Sequence[str]) -> list[int | None]:
+        """For each key, the index in :attr:`tiers` of the first tier holding it, None when none does."""
+        return [0 if present else None for present in self.contains_many(keys)]
 
     @abc.abstractmethod
     def put(self, key: str, value: Value) -> None: ...

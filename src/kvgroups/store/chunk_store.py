@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
@@ -20,11 +20,13 @@ from kvgroups.core.checks import int_at_least, is_int_at_least
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
-from kvgroups.store.base import ByteStore
-from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
+from kvgroups.store.base import ByteStore, EntryTooLargeError
+from kvgroups.store.codec import CorruptEntryError, EntryInfo, check_tensor, decode_entry, encode_entry
 from kvgroups.store.health import Backoff, RateLimitedLog
-from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes, token_array
-from kvgroups.store.prefixes import LoadedPrefix, assemble, needed_chunks, servable_chunks
+from kvgroups.store.keys import TokenIds, boundary_keys, checked_keys, chunk_namespace, prefix_keys, salt_bytes
+from kvgroups.store.metrics import REGISTRY, StoreMetrics
+from kvgroups.store.prefixes import LoadedPrefix, StoredPrefix, assemble, needed_chunks, stored_prefix
+from kvgroups.store.prometheus import install as install_prometheus
 from kvgroups.store.secret import StoreSecret
 from kvgroups.store.urls import StoreArg, open_store
 from kvgroups.store.writer import BackgroundWriter
@@ -35,18 +37,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 # A stored prefix is retried at most this many times, each at a shorter boundary, when entries fail to load.
 _LOAD_ATTEMPTS = 4
-
-
-@dataclass
-class ChunkStoreStats:
-    lookups: int = 0
-    hit_tokens: int = 0
-    saved_chunks: int = 0
-    dropped_saves: int = 0
-    failed_reads: int = 0
-    corrupt_entries: int = 0
-    failed_saves: int = 0
-    bytes_read: list[int] = field(default_factory=list)  # per group
 
 
 class KVChunkStore:
@@ -91,10 +81,14 @@ class KVChunkStore:
         self.encrypt = encrypt
         self._owns_store = not isinstance(store, ByteStore)
         self.store = open_store(store)
-        self.stats = ChunkStoreStats(bytes_read=[0] * len(groups))
+        # Every count since it was opened; exported to Prometheus when prometheus-client is there.
+        self.stats = StoreMetrics(tier=self.store.tier_name, num_groups=len(groups),
+                                  tiers=[tier.tier_metrics for tier in self.store.tiers])
         self._writer = BackgroundWriter(max_pending_bytes)
         self._log = RateLimitedLog(logger)
         self._backoff = Backoff(self.store.url, self._log)
+        REGISTRY.add(self, self.stats)
+        install_prometheus()
 
     # --- keys and needs -------------------------------------------------------------------
     def keys(self, token_ids: TokenIds, *, request_salt: str | bytes = "") -> list[str]:
@@ -125,7 +119,22 @@ class KVChunkStore:
 
     def _failed(self, action: str, error: OSError) -> None:
         self.stats.failed_reads += action != "save"
+        self.store.record_error(error)
         self._backoff.failed(action, error)
+
+    def gauges(self) -> dict[str, dict[tuple[str, ...], float]]:
+        """What is true now, for the metrics: queued save bytes, which tiers are backed off, and what each
+        tier knows of what it holds."""
+        tier = self.store.tier_name
+        found: dict[str, dict[tuple[str, ...], float]] = {
+            "save_queue_bytes": {(tier,): float(self._writer.pending_bytes)},
+            "backed_off": {(tier,): float(not self._backoff.available()),
+                           **{(name,): float(down) for name, down in self.store.backed_off().items()}},
+        }
+        for store in self.store.tiers:
+            for name, value in store.gauges().items():
+                found.setdefault(name, {})[(store.tier_name,)] = value
+        return found
 
     # --- save -----------------------------------------------------------------------------
     def save(self, token_ids: TokenIds, chunk_index: int, tensors: Sequence[torch.Tensor], *,
@@ -140,7 +149,7 @@ class KVChunkStore:
         that fails is logged.
         """
         if keys is None:
-            keys = self.keys(token_array(token_ids)[: (chunk_index + 1) * self.chunk_size])
+            keys = self.keys(token_ids[: (chunk_index + 1) * self.chunk_size])
         if not is_int_at_least(chunk_index, 0) or chunk_index >= len(keys):
             raise KVGroupsError(f"chunk_index {chunk_index!r} is not a full chunk of these {len(keys)} chunk(s) of "
                                 f"{self.chunk_size} tokens")
@@ -167,16 +176,13 @@ class KVChunkStore:
                                 f"{len(self.groups) - 1}")
         infos = [self._info(key, index, chunk_index) for index in sorted(tensors)]
         for info in infos:
-            tensor = tensors[info.group_index]
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
-                shown = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
-                raise KVGroupsError(f"tensor for group {info.group_index} is {shown}; the group stores "
-                                    f"{info.dtype} {list(info.shape)} per chunk")
-        queued = bool(infos) and self._backoff.available() and self._writer.submit(
+            check_tensor(tensors[info.group_index], info)
+        available = self._backoff.available()
+        queued = bool(infos) and available and self._writer.submit(
             lambda: self._write(tensors, infos, release), sum(info.tensor_bytes for info in infos))
         if not queued:
             if infos:
-                self.stats.dropped_saves += 1
+                self.stats.dropped("queue_full" if available else "backed_off")
                 self._log.warning("dropped", "chunk store %s: a save was dropped (store backed off, or %d bytes of "
                                   "saves pending); %d dropped so far", self.store.url, self._writer.pending_bytes,
                                   self.stats.dropped_saves)
@@ -186,6 +192,7 @@ class KVChunkStore:
 
     def _write(self, tensors: Mapping[int, torch.Tensor], infos: list[EntryInfo],
                release: Callable[[], None] | None) -> None:
+        begin = time.perf_counter()
         try:
             values = [(info.key, encode_entry(tensors[info.group_index], info, secret=self.secret,
                                               encrypt=self.encrypt)) for info in infos]
@@ -194,11 +201,14 @@ class KVChunkStore:
                 release()  # encoded: the tensors' memory may be reused
         try:
             self.store.put_many(values)
-        except OSError as error:
+        except (OSError, EntryTooLargeError) as error:
             self.stats.failed_saves += 1
-            self._failed("save", error)
+            if isinstance(error, OSError):
+                self._failed("save", error)
+            else:
+                self.store.record_error(error)
             raise
-        self.stats.saved_chunks += 1
+        self.stats.saved(sum(len(value) for _, value in values), time.perf_counter() - begin)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save so far is written (or has failed and been logged), up to ``timeout``
@@ -211,22 +221,28 @@ class KVChunkStore:
 
         ``keys`` (from :meth:`keys`) stand for the tokens: pass either.
         """
+        return self.locate(token_ids, keys=keys).num_tokens
+
+    def locate(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None) -> StoredPrefix:
+        """What :meth:`lookup` finds, with the tokens each tier holds of it (for hit rates per tier)."""
+        begin = time.perf_counter()
         keys = self._keys_of(token_ids, keys)
-        self.stats.lookups += 1
-        if not keys:
-            return 0
+        found = self._locate(keys)
+        self.stats.looked_up(len(keys) * self.chunk_size, found.tokens_by_tier, time.perf_counter() - begin)
+        return found
+
+    def _locate(self, keys: list[str]) -> StoredPrefix:
+        if not keys or not self._backoff.available():
+            return StoredPrefix(0, {})
         groups = range(len(self.groups))
-        if not self._backoff.available():
-            return 0
         try:
-            present = self.store.contains_many([self.entry_key(key, group) for group in groups for key in keys])
+            located = self.store.locate_many([self.entry_key(key, group) for group in groups for key in keys])
         except OSError as error:
             self._failed("lookup", error)
-            return 0
-        rows = [present[group * len(keys):(group + 1) * len(keys)] for group in groups]
-        num_chunks = servable_chunks([group.spec for group in self.groups], rows, self.chunk_size)
-        self.stats.hit_tokens += num_chunks * self.chunk_size
-        return num_chunks * self.chunk_size
+            return StoredPrefix(0, {})
+        rows = [located[group * len(keys):(group + 1) * len(keys)] for group in groups]
+        return stored_prefix([group.spec for group in self.groups], rows, self.chunk_size,
+                             [tier.tier_name for tier in self.store.tiers])
 
     def load(self, token_ids: TokenIds | None, num_tokens: int, *,
              keys: Sequence[str] | None = None) -> LoadedPrefix:
@@ -251,9 +267,7 @@ class KVChunkStore:
 
     def _keys_of(self, token_ids: TokenIds | None, keys: Sequence[str] | None) -> list[str]:
         if keys is not None:
-            if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
-                raise TypeError("keys must be a sequence of str, as keys() returns them")
-            return list(keys)
+            return checked_keys(keys)
         if token_ids is None:
             raise KVGroupsError("pass token_ids or keys")
         return self.keys(token_ids)
@@ -261,26 +275,20 @@ class KVChunkStore:
     def _read_boundary(self, token_ids: TokenIds | None, num_tokens: int,
                        keys: Sequence[str] | None) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
         """The entries at the longest readable boundary up to ``num_tokens``, and the keys up to it."""
-        if not is_int_at_least(num_tokens, 0) or num_tokens % self.chunk_size:
-            raise KVGroupsError(f"num_tokens {num_tokens!r} must be a multiple of chunk_size {self.chunk_size}")
-        if keys is None:
-            tokens = token_array(token_ids) if token_ids is not None else None
-            if tokens is None or num_tokens > len(tokens):
-                given = "no" if tokens is None else len(tokens)
-                raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {given} tokens given")
-            keys = self.keys(tokens[:num_tokens])
-        else:
-            keys = self._keys_of(None, keys)
-            if num_tokens > len(keys) * self.chunk_size:
-                raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {len(keys)} keys given")
-            keys = keys[: num_tokens // self.chunk_size]
+        keys = boundary_keys(token_ids, keys, num_tokens, self.chunk_size, self.keys)
+        begin = time.perf_counter()
+        tensors, keys = self._read_longest(keys)
+        self.stats.loaded(len(keys) * self.chunk_size, time.perf_counter() - begin)
+        return tensors, keys
+
+    def _read_longest(self, keys: list[str]) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
         for _ in range(_LOAD_ATTEMPTS):
             if not keys or not self._backoff.available():  # an unavailable store serves no boundary
                 return {}, []
             tensors = self._read(keys)
             if tensors is not None:
                 return tensors, keys
-            shorter = self.lookup(None, keys=keys[:-1]) if len(keys) > 1 else 0
+            shorter = self._locate(keys[:-1]).num_tokens if len(keys) > 1 else 0
             keys = keys[: shorter // self.chunk_size]
         return {}, []
 
@@ -298,6 +306,7 @@ class KVChunkStore:
         except OSError as error:
             self._failed("load", error)
             return None
+        self.store.record_read(len(values), sum(value is not None for value in values))
         tensors: dict[tuple[int, int], torch.Tensor] = {}
         whole = True
         for info, value in zip(wanted, values, strict=True):
@@ -310,6 +319,7 @@ class KVChunkStore:
             except CorruptEntryError as error:
                 whole = False
                 self.stats.corrupt_entries += 1
+                self.store.record_error(error)
                 self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
                                   self.store.url, self.stats.corrupt_entries, error)
                 # If the delete fails it stays unusable all the same: every read checks it again.

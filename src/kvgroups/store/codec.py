@@ -49,6 +49,8 @@ _SEAL_FIELDS = ("checksum", "mac")
 class CorruptEntryError(KVGroupsError):
     """A stored value is not the entry it was asked as (or not an entry at all)."""
 
+    kind = "corrupt"  # what the metrics count it as (kvgroups_errors_total{kind})
+
 
 @dataclass(frozen=True, kw_only=True)
 class EntryInfo:
@@ -96,20 +98,26 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return view.cast("B")
 
 
-def encode_entry(tensor: torch.Tensor, info: EntryInfo, *, secret: StoreSecret | None = None,
-                 encrypt: bool = False) -> bytes:
-    """The stored bytes of ``tensor`` as the entry ``info``, sealed with ``secret`` (encrypted with
-    ``encrypt``); raises when the tensor is not what ``info`` says."""
+def check_tensor(tensor: object, info: EntryInfo) -> None:
+    """Raise unless ``tensor`` is a tensor of the entry's dtype and shape (every difference listed)."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"an entry holds a tensor, got {type(tensor).__name__}")
+        raise TypeError(f"group {info.group_index}, chunk {info.chunk_index}: an entry holds a tensor, got "
+                        f"{type(tensor).__name__}")
     problems = []
     if tensor.dtype != info.dtype:
         problems.append(f"dtype {tensor.dtype} (expected {info.dtype})")
     if tuple(tensor.shape) != tuple(info.shape):
         problems.append(f"shape {list(tensor.shape)} (expected {list(info.shape)})")
     if problems:
-        raise KVGroupsError(f"entry {info.key!r} (group {info.group_index}, chunk {info.chunk_index}): tensor has "
+        raise KVGroupsError(f"tensor for group {info.group_index}, chunk {info.chunk_index} has "
                             + ", ".join(problems))
+
+
+def encode_entry(tensor: torch.Tensor, info: EntryInfo, *, secret: StoreSecret | None = None,
+                 encrypt: bool = False) -> bytes:
+    """The stored bytes of ``tensor`` as the entry ``info``, sealed with ``secret`` (encrypted with
+    ``encrypt``); raises when the tensor is not what ``info`` says."""
+    check_tensor(tensor, info)
     if encrypt and secret is None:
         raise KVGroupsError("encrypt=True needs a secret")
     data = _bytes_of(tensor.detach().to("cpu").contiguous())

@@ -113,3 +113,17 @@ def remove_stale_temporaries(root: str, prefix: str, stale_seconds: float) -> No
                     with contextlib.suppress(OSError):  # another process removed or renamed it
                         if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                             os.unlink(entry.path)
+
+
+def evict_least_recent(files: list[tuple[float, int, str]], total: int, target: int) -> tuple[int, int]:
+    """Remove entry files (``(recency, bytes, path)`` as :func:`scan_entries` lists them), least recently
+    used first, until ``total`` bytes are at most ``target``: (bytes left, files removed)."""
+    removed = 0
+    for _, size, path in sorted(files):
+        if total <= target:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed += 1
+        total -= size
+    return total, removed

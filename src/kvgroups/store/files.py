@@ -2,10 +2,9 @@
 
 Entries live under 256 fan-out directories, named by the SHA-256 of their key; each file starts
 with its key, so a new process serves what earlier ones wrote. A value is written to a temporary
-name and renamed into place (whole or absent, also after ``kill -9``). Files are 0600 and
-directories 0700 whatever the umask; nothing inside the store is reached through a symlink. The
-byte budget is kept by LRU eviction under a lock file every process shares; a full disk makes a
-write evict down to the low watermark and try once more.
+name and renamed into place (whole or absent, also after ``kill -9``). Files are 0600, directories
+0700 whatever the umask; nothing in the store is reached through a symlink. The byte budget is kept
+by LRU eviction under a lock file all processes share; a full disk makes a write evict, then retry.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from kvgroups.store.base import (
 from kvgroups.store.file_io import (
     default_budget,
     entry_files,
+    evict_least_recent,
     private_directory,
     read_exactly,
     remove_stale_temporaries,
@@ -71,6 +71,8 @@ class FileStore(ByteStore):
     ``max_bytes`` None is :func:`default_budget`. ``create`` False opens only a store that exists
     (inspection: stats, verify, clear never create one).
     """
+
+    tier_name = "file"
 
     def __init__(self, directory: str | Path, max_bytes: int | None = None, *, create: bool = True) -> None:
         self.directory = Path(directory)
@@ -313,13 +315,8 @@ class FileStore(ByteStore):
                 files, total = self._scan()
                 target = int((total if force else self.max_bytes) * _LOW_WATERMARK)
                 if force or total > self.max_bytes:
-                    for _, size, path in sorted(files):
-                        if total <= target:
-                            break
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(path)
-                            self.evictions += 1
-                        total -= size
+                    total, evicted = evict_least_recent(files, total, target)
+                    self.evictions += evicted
             finally:
                 os.close(descriptor)
         except OSError as error:
@@ -327,6 +324,9 @@ class FileStore(ByteStore):
         with self._lock:
             self._total = total
             self._puts_since_scan = 0
+
+    def gauges(self) -> dict[str, float]:  # no entries: counting them lists the directory
+        return {"bytes": float(self._total), "evictions": float(self.evictions)}
 
     def stats(self) -> StoreStats:
         files, total = self._scan()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from kvgroups.core.checks import int_at_least
+from kvgroups.core.checks import int_at_least, is_int_at_least
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.secret import StoreSecret
@@ -102,3 +102,28 @@ def prefix_keys(token_ids: TokenIds, chunk_size: int, namespace: str | bytes, *,
         digest = secret.chain(digest, tokens[start:start + chunk_bytes])
         keys.append(digest.hex())
     return keys
+
+
+def checked_keys(keys: Sequence[str]) -> list[str]:
+    """Prefix keys a caller passed (as :func:`prefix_keys` made them), as a list; TypeError otherwise."""
+    if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
+        raise TypeError("keys must be a sequence of str, as keys() returns them")
+    return list(keys)
+
+
+def boundary_keys(token_ids: TokenIds | None, keys: Sequence[str] | None, num_tokens: int, chunk_size: int,
+                  make_keys: Callable[[np.ndarray], list[str]]) -> list[str]:
+    """The keys of the chunks up to boundary ``num_tokens``: of the keys given, else made of the tokens
+    given; raises when the boundary is not a chunk boundary within them."""
+    if not is_int_at_least(num_tokens, 0) or num_tokens % chunk_size:
+        raise KVGroupsError(f"num_tokens {num_tokens!r} must be a multiple of chunk_size {chunk_size}")
+    if keys is not None:
+        keys = checked_keys(keys)
+        if num_tokens > len(keys) * chunk_size:
+            raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {len(keys)} keys given")
+        return keys[: num_tokens // chunk_size]
+    tokens = token_array(token_ids) if token_ids is not None else None
+    if tokens is None or num_tokens > len(tokens):
+        raise KVGroupsError(f"num_tokens {num_tokens} is beyond the {'no' if tokens is None else len(tokens)} "
+                            f"tokens given")
+    return make_keys(tokens[:num_tokens])

@@ -19,6 +19,8 @@ class MemoryStore(ByteStore):
     to evict, so that eviction still sees every read.
     """
 
+    tier_name = "memory"
+
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.url = f"memory://?max_bytes={max_bytes}"
         self.max_bytes = max_bytes
@@ -26,6 +28,7 @@ class MemoryStore(ByteStore):
         self._hits: dict[str, None] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self.evictions = 0
 
     def _apply_hits(self) -> None:
         """Move the keys read since the last call to the end of the LRU order (under the lock)."""
@@ -55,6 +58,10 @@ class MemoryStore(ByteStore):
                 while self._bytes > self.max_bytes:
                     oldest = next(iter(self._values))
                     self._bytes -= len(self._values.pop(oldest))
+                    self.evictions += 1
+
+    def gauges(self) -> dict[str, float]:
+        return {"entries": float(len(self._values)), "bytes": float(self._bytes), "evictions": float(self.evictions)}
 
     def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         value = self._values.get(key)

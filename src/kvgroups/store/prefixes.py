@@ -94,3 +94,24 @@ def assemble(groups: Sequence[KVLayerGroupInfo], tensors: Mapping[tuple[int, int
         first = needed.start * chunk_size if chunks else num_chunks * chunk_size
         parts.append(GroupPrefix(index, first, tensor))
     return LoadedPrefix(num_tokens=num_chunks * chunk_size, groups=tuple(parts))
+
+
+@dataclass(frozen=True)
+class StoredPrefix:
+    """A lookup's answer: the tokens stored for every group, and how many of them each tier holds."""
+
+    num_tokens: int
+    tokens_by_tier: dict[str, int]
+
+
+def stored_prefix(specs: Sequence[LayerCacheSpec], located: Sequence[Sequence[int | None]], chunk_size: int,
+                  tier_names: Sequence[str]) -> StoredPrefix:
+    """The servable prefix from ``located[group][chunk]`` (the index of the first tier holding that
+    entry, None when none does), and the tokens each tier serves of it: a chunk is served by the
+    slowest tier holding one of its entries."""
+    num_chunks = servable_chunks(specs, [[where is not None for where in row] for row in located], chunk_size)
+    by_tier: dict[str, int] = {}
+    for chunk in range(num_chunks):
+        depth = max((where for row in located if (where := row[chunk]) is not None), default=0)
+        by_tier[tier_names[depth]] = by_tier.get(tier_names[depth], 0) + chunk_size
+    return StoredPrefix(num_chunks * chunk_size, by_tier)

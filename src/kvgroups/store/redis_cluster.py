@@ -33,6 +33,8 @@ class _NodeDownError(Exception):
 class RedisClusterStore(RespStore):
     """Entries on a Valkey or Redis Cluster."""
 
+    tier_name = "redis-cluster"
+
     def __init__(self, settings: RedisSettings) -> None:
         super().__init__(settings)
         redis = redis_module()
@@ -63,7 +65,11 @@ class RedisClusterStore(RespStore):
     def _node_failed(self, node_name: str, error: BaseException) -> None:
         health = self._health.setdefault(node_name, Backoff(f"{self.url} master {node_name}", self._log))
         health.failed("reach", error)
+        self.record_error(error)
         self._refresh_topology()
+
+    def gauges(self) -> dict[str, float]:
+        return {"backed_off_masters": float(sum(not health.available() for health in list(self._health.values())))}
 
     def _refresh_topology(self) -> None:
         """Read which master holds which slot again (a replica may have been promoted)."""

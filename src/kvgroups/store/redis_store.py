@@ -261,6 +261,8 @@ class RespStore(ByteStore):
 class RedisStore(RespStore):
     """Entries on one Valkey or Redis server."""
 
+    tier_name = "redis"
+
     def __init__(self, settings: RedisSettings) -> None:
         super().__init__(settings)
         redis = redis_module()

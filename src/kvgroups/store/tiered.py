@@ -29,13 +29,26 @@ class TieredStore(ByteStore):
     def __init__(self, tiers: Sequence[ByteStore]) -> None:
         if not tiers:
             raise StoreError("a tiered store needs at least one tier")
-        self.tiers = list(tiers)
-        self.url = " + ".join(tier.url for tier in self.tiers)
-        self.shared = any(tier.shared for tier in self.tiers)
+        self._tiers = list(tiers)
+        self.url = " + ".join(tier.url for tier in self._tiers)
+        self.shared = any(tier.shared for tier in self._tiers)
         log = RateLimitedLog(logger)
-        self.health = [Backoff(tier.url, log) for tier in self.tiers]
-        self.promotion_failures = 0
-        self.refused_values = 0
+        self.health = [Backoff(tier.url, log) for tier in self._tiers]
+        self.tier_name = "+".join(tier.tier_name for tier in self._tiers)
+
+    @property
+    def tiers(self) -> list[ByteStore]:
+        return list(self._tiers)
+
+    # Each tier's reads and errors are counted as it is asked (below), not the list's as a whole.
+    def record_read(self, asked: int, found: int) -> None:
+        pass
+
+    def record_error(self, error: BaseException) -> None:
+        pass
+
+    def backed_off(self) -> dict[str, bool]:
+        return {tier.tier_name: not health.available() for tier, health in zip(self._tiers, self.health, strict=True)}
 
     def _ask(self, index: int, action: str, call: Callable[[ByteStore], _T]) -> tuple[bool, _T | None]:
         """``call`` on tier ``index`` unless it is backed off: (whether it answered, its answer). A tier
@@ -44,8 +57,9 @@ class TieredStore(ByteStore):
         if not health.available():
             return False, None
         try:
-            return True, call(self.tiers[index])
+            return True, call(self._tiers[index])
         except OSError as error:
+            self._tiers[index].record_error(error)
             health.failed(action, error)
             return False, None
 
@@ -58,15 +72,15 @@ class TieredStore(ByteStore):
     def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
         answered = 0
         refusals: list[str] = []
-        for index in range(len(self.tiers)):
+        for index in range(len(self._tiers)):
             try:
                 ok, _ = self._ask(index, "write", lambda store: store.put_many(items))
             except EntryTooLargeError as error:
                 refusals.append(str(error))  # this tier cannot hold the value; the others still take it
+                self._tiers[index].record_error(error)
                 continue
             answered += ok
-        self.refused_values += len(refusals)
-        if len(refusals) == len(self.tiers):
+        if len(refusals) == len(self._tiers):
             raise EntryTooLargeError("no tier takes these values: " + "; ".join(refusals))
         if not answered:
             raise self._nobody("write")
@@ -78,7 +92,7 @@ class TieredStore(ByteStore):
         found: list[Stored | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         answered = 0
-        for depth in range(len(self.tiers)):
+        for depth in range(len(self._tiers)):
             if not missing:
                 break
             asked = missing
@@ -88,6 +102,7 @@ class TieredStore(ByteStore):
                 continue
             answered += 1
             hits = [(index, value) for index, value in zip(asked, values, strict=True) if value is not None]
+            self._tiers[depth].record_read(len(asked), len(hits))
             for index, value in hits:
                 found[index] = value
             if hits and depth:
@@ -101,21 +116,27 @@ class TieredStore(ByteStore):
         # A value cut at max_bytes + 1 is longer than any entry: it is not copied anywhere.
         whole = [(key, value) for key, value in items if max_bytes is None or len(value) <= max_bytes]
         for index in range(depth):
+            metrics = self._tiers[index].tier_metrics
             try:
                 ok, _ = self._ask(index, "write", lambda store: store.put_many(whole))
             except EntryTooLargeError:
                 ok = False
-            if not ok:
-                self.promotion_failures += 1
+            if ok:
+                metrics.promotions += len(whole)
+            else:
+                metrics.promotion_failures += len(whole)
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        present = [False] * len(keys)
+        return [depth is not None for depth in self.locate_many(keys)]
+
+    def locate_many(self, keys: Sequence[str]) -> list[int | None]:
+        located: list[int | None] = [None] * len(keys)
         answered = 0
-        for depth in range(len(self.tiers)):
-            unknown = [index for index, known in enumerate(present) if not known]
+        for depth in range(len(self._tiers)):
+            unknown = [index for index, where in enumerate(located) if where is None]
             if not unknown:
                 break
             names = [keys[i] for i in unknown]
@@ -124,17 +145,18 @@ class TieredStore(ByteStore):
                 continue
             answered += 1
             for index, answer in zip(unknown, answers, strict=True):
-                present[index] = answer
-        if not answered and not all(present):
+                if answer:
+                    located[index] = depth
+        if not answered and None in located:
             raise self._nobody("look up")
-        return present
+        return located
 
     def delete(self, key: str) -> bool:
-        results = [self._ask(index, "delete", lambda store: store.delete(key)) for index in range(len(self.tiers))]
+        results = [self._ask(index, "delete", lambda store: store.delete(key)) for index in range(len(self._tiers))]
         return any(bool(deleted) for _, deleted in results)
 
     def size_of(self, key: str) -> int | None:
-        for index in range(len(self.tiers)):
+        for index in range(len(self._tiers)):
             _, size = self._ask(index, "look up", lambda store: store.size_of(key))
             if size is not None:
                 return size
@@ -142,15 +164,15 @@ class TieredStore(ByteStore):
 
     def iter_keys(self) -> Iterator[str]:
         seen: set[str] = set()
-        for tier in self.tiers:
+        for tier in self._tiers:
             for key in tier.iter_keys():
                 if key not in seen:
                     seen.add(key)
                     yield key
 
     def clear(self) -> int:
-        return max(tier.clear() for tier in self.tiers)
+        return max(tier.clear() for tier in self._tiers)
 
     def close(self) -> None:
-        for tier in self.tiers:
+        for tier in self._tiers:
             tier.close()
