@@ -47,9 +47,20 @@ def test_generate_reuses_a_stored_prefix_and_prints_the_plain_text(tmp_path: Pat
     assert "reused 0 tokens, computed 42" in first.stderr and "time to first token" in first.stderr
     prompt = shared + " w99 w98 w97"
     second = generate(str(tmp_path / "model"), "--prompt", prompt, "--store", store, "--chunk-size", "8",
-                      "--max-new-tokens", "8")
+                      "--max-new-tokens", "8", "--stats")
     assert second.returncode == 0, second.stderr
     assert "reused 40 tokens, computed 3" in second.stderr
+    # --stats: the store's numbers on stderr. The prefill is of 42 tokens (the last is generate's): 5 full
+    # chunks looked up (the last token is always computed), all 5 found and loaded, no new chunk saved.
+    stats = dict(line.strip().split(": ", 1) for line in second.stderr.splitlines()[1:] if line.startswith("  "))
+    assert "store stats:" in second.stderr
+    assert {name: stats[name] for name in ("tier", "lookups", "query_tokens", "hit_tokens", "hit_rate", "loads",
+                                           "loaded_tokens", "saved_chunks", "dropped_saves", "failed_reads",
+                                           "corrupt_entries", "hit_tokens_by_tier")} == {
+        "tier": "file", "lookups": "1", "query_tokens": "40", "hit_tokens": "40", "hit_rate": "1.0", "loads": "1",
+        "loaded_tokens": "40", "saved_chunks": "0", "dropped_saves": "0", "failed_reads": "0", "corrupt_entries": "0",
+        "hit_tokens_by_tier": '{"file": 40}'}
+    assert json.loads(stats["tiers"]) == {"file": {"gets": 5, "hits": 5, "promotions": 0, "errors": {}}}
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])  # type: ignore[operator]
     plain = model.generate(ids, max_new_tokens=8, do_sample=False)  # type: ignore[attr-defined]
     expected = tokenizer.decode(plain[0, ids.shape[1]:].tolist(), skip_special_tokens=True)  # type: ignore[attr-defined]

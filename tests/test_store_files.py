@@ -177,6 +177,7 @@ def test_a_flipped_byte_makes_its_entry_a_miss_and_verify_reports_it(tmp_path: P
 
 def test_store_stats_and_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"file://{tmp_path}/kv"
+    began = int(time.time())
     first = saved_store(build_metadata([("full", 0)]), url, list(range(24)))
     second = saved_store(build_metadata([("full", 0)], model_name="other"), url, list(range(16)))
     FileStore(f"{tmp_path}/kv").put("stray", b"not an entry")
@@ -184,10 +185,19 @@ def test_store_stats_and_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str
     report = json.loads(capsys.readouterr().out)
     by_fingerprint = {row["fingerprint"]: row["entries"] for row in report["by_fingerprint"]}
     assert by_fingerprint == {first.fingerprint: 3, second.fingerprint: 2, "(not an entry)": 1}
-    assert report["entries"] == 6 and report["bytes"] > 0
+    store = FileStore(f"{tmp_path}/kv")
+    assert report["entries"] == 6 and report["bytes"] == sum(store.size_of(key) or 0 for key in store.iter_keys())
+    # When the oldest and newest entries were written (from their headers; the stray file says nothing).
+    written = {row["fingerprint"]: (row["oldest"], row["newest"]) for row in report["by_fingerprint"]}
+    assert written["(not an entry)"] == (None, None)
+    window = [time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)) for second in range(began, int(time.time()) + 1)]
+    assert all(oldest in window and newest in window and oldest <= newest
+               for oldest, newest in (written[first.fingerprint], written[second.fingerprint]))
+    assert (report["oldest"], report["newest"]) == (min(w[0] for w in written.values() if w[0]),
+                                                    max(w[1] for w in written.values() if w[1]))
     assert main(["store", "stats", url]) == 0
     table = capsys.readouterr().out
-    assert first.fingerprint in table and "6 entries" in table
+    assert first.fingerprint in table and "6 entries" in table and f"written {report['oldest']} to" in table
     assert main(["store", "clear", url]) == 0
     assert capsys.readouterr().out.strip().startswith("deleted 6 entries")
     assert open_store(url).stats().entries == 0

@@ -48,7 +48,8 @@ def test_saves_never_block_on_a_slow_store() -> None:
         store.save(tokens, chunk, chunk_tensors(store, tokens, chunk), keys=keys)
     assert time.monotonic() - begin < 1.0  # twenty saves against a store that takes 30 s per write
     # The writer holds five chunks' bytes (one being written, four queued); the rest are dropped, counted.
-    assert store.stats.dropped_saves == 20 - 5
+    assert store.stats.dropped_saves == 20 - 5 and store.stats.dropped_by_reason["queue_full"] == 20 - 5
+    assert store.gauges()["save_queue_bytes"][("memory",)] == 5 * one_chunk
     assert not store.flush(timeout=0.2)  # a deadline, and the answer that not everything is written
     slow.release.set()
     assert store.flush(timeout=10)

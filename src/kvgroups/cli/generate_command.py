@@ -2,7 +2,8 @@
 
 The model directory is loaded with ``from_pretrained`` from local files only. The text (or, for
 ``--prompt-ids``, the token ids) goes to stdout; reused and computed tokens and the time to the
-first token go to stderr, with a progress bar over the prefill. transformers is imported only
+first token go to stderr, with a progress bar over the prefill, and with ``--stats`` what the
+store did (hits, bytes, times, errors). transformers is imported only
 when this command runs.
 """
 
@@ -42,6 +43,8 @@ def add_generate_command(commands: Any) -> None:
     generate.add_argument("--secret-file", help="the deployment's secret (else $KVGROUPS_STORE_SECRET): keyed keys "
                                                 "and a MAC on every entry")
     generate.add_argument("--encrypt", action="store_true", help="encrypt the entries saved (needs a secret)")
+    generate.add_argument("--stats", action="store_true", help="print what the store did (hits, bytes, times, "
+                                                               "errors) on stderr")
     generate.set_defaults(run=run_generate)
 
 
@@ -127,6 +130,7 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
         output = cache.generate(ids, max_new_tokens=args.max_new_tokens, streamer=first, progress=advance)
         cache.flush()
         prefill = cache.last_prefill
+        summary = cache.stats.summary()
     new = output[0, len(ids):].tolist()
     if args.prompt_ids is not None or tokenizer is None:
         sys.stdout.write(json.dumps(new) + "\n")
@@ -136,4 +140,15 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
     reused_tokens = prefill.reused_tokens if prefill is not None else 0
     errors.print(f"reused {reused_tokens} tokens, computed {len(ids) - reused_tokens}; "
                  f"time to first token {ttft:.3f} s; {len(new)} new tokens")
+    if args.stats:
+        errors.print(_stats_text(summary), markup=False, highlight=False)
     return 0
+
+
+def _stats_text(summary: dict[str, Any]) -> str:
+    """The store's numbers for this run (docs/metrics.md says what each means), one ``name: value`` a line."""
+    lines = ["store stats:"]
+    for name, value in summary.items():
+        shown = json.dumps(value, separators=(", ", ": ")) if isinstance(value, dict) else value
+        lines.append(f"  {name}: {shown}")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections import Counter
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
@@ -30,7 +31,8 @@ def add_store_commands(commands: Any, parser_class: type[argparse.ArgumentParser
                                 description="Look into a chunk store given by its URL (memory://, file:///dir, "
                                             "redis://host:port/db, rediss://, unix:///path.sock).")
     actions = store.add_subparsers(dest="store_command", required=True, parser_class=parser_class)
-    stats = actions.add_parser("stats", help="entries and bytes, by metadata fingerprint")
+    stats = actions.add_parser("stats", help="entries, bytes and when the oldest and newest were written, in all "
+                                             "and by metadata fingerprint")
     stats.add_argument("url", help="store URL")
     stats.add_argument("--json", action="store_true", help="print JSON")
     verify = actions.add_parser("verify", help="read every entry and check its header and checksum (or MAC)")
@@ -48,7 +50,9 @@ def add_store_commands(commands: Any, parser_class: type[argparse.ArgumentParser
         action.set_defaults(run=run_store_command)
 
 
-def _fingerprint(store: Any, key: str) -> str:
+def _header_fields(store: Any, key: str) -> tuple[str, int | None]:
+    """An entry's metadata fingerprint and the Unix second it was written (None when it does not say),
+    read from its header alone."""
     from kvgroups.store.codec import MAX_HEADER_BYTES, CorruptEntryError, read_header  # noqa: PLC0415
 
     prefix = store.get_prefix(key, _HEADER_PROBE_BYTES)
@@ -57,25 +61,37 @@ def _fingerprint(store: Any, key: str) -> str:
             needed = 8 + int.from_bytes(prefix[:8], "little")
             if len(prefix) < needed <= 8 + MAX_HEADER_BYTES:
                 prefix = store.get_prefix(key, needed)
-        header = read_header(prefix or b"")
+        metadata = read_header(prefix or b"")["__metadata__"]
     except CorruptEntryError:
-        return _NOT_AN_ENTRY
-    return str(header["__metadata__"].get("fingerprint", _NOT_AN_ENTRY))
+        return _NOT_AN_ENTRY, None
+    written = metadata.get("written", "")
+    return str(metadata.get("fingerprint", _NOT_AN_ENTRY)), int(written) if written.isdigit() else None
+
+
+def _utc(second: int | None) -> str | None:
+    return None if second is None else datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _stats(store: Any) -> dict[str, Any]:
     entries: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
+    written: dict[str, list[int]] = {}
     for key in store.iter_keys():
         size = store.size_of(key)
         if size is None:
             continue  # evicted meanwhile
-        fingerprint = _fingerprint(store, key)
+        fingerprint, second = _header_fields(store, key)
         entries[fingerprint] += 1
         sizes[fingerprint] += size
+        if second is not None:
+            times = written.setdefault(fingerprint, [second, second])
+            times[0], times[1] = min(times[0], second), max(times[1], second)
+    every = [second for times in written.values() for second in times]
     return {
         "url": store.url, "entries": sum(entries.values()), "bytes": sum(sizes.values()),
-        "by_fingerprint": [{"fingerprint": name, "entries": entries[name], "bytes": sizes[name]}
+        "oldest": _utc(min(every, default=None)), "newest": _utc(max(every, default=None)),
+        "by_fingerprint": [{"fingerprint": name, "entries": entries[name], "bytes": sizes[name],
+                            "oldest": _utc(written.get(name, [None])[0]), "newest": _utc(written.get(name, [None])[-1])}
                            for name in sorted(entries)],
     }
 
@@ -115,7 +131,8 @@ def _clear(store: Any, fingerprint: str | None, really: bool) -> tuple[int, str]
     """Delete every entry (of ``fingerprint``), or with ``really`` False count what would go."""
     if fingerprint is None and really:
         return store.clear(), "deleted"
-    keys = [key for key in store.iter_keys() if fingerprint is None or _fingerprint(store, key) == fingerprint]
+    keys = [key for key in store.iter_keys()
+            if fingerprint is None or _header_fields(store, key)[0] == fingerprint]
     if not really:
         return len(keys), "would delete (pass --yes to delete)"
     return sum(bool(store.delete(key)) for key in keys), "deleted"
@@ -136,11 +153,14 @@ def run_store_command(args: argparse.Namespace, console: Console) -> int:
             if args.json:
                 sys.stdout.write(json.dumps(report, indent=2) + "\n")
                 return 0
-            table = Table(title=f"{report['url']}: {report['entries']} entries, {report['bytes']:,} bytes")
-            for header, justify in (("fingerprint", "left"), ("entries", "right"), ("bytes", "right")):
+            span = f"; written {report['oldest']} to {report['newest']}" if report["oldest"] else ""
+            table = Table(title=f"{report['url']}: {report['entries']} entries, {report['bytes']:,} bytes{span}")
+            for header, justify in (("fingerprint", "left"), ("entries", "right"), ("bytes", "right"),
+                                    ("oldest", "left"), ("newest", "left")):
                 table.add_column(header, justify=justify)  # type: ignore[arg-type]
             for row in report["by_fingerprint"]:
-                table.add_row(row["fingerprint"], f"{row['entries']:,}", f"{row['bytes']:,}")
+                table.add_row(row["fingerprint"], f"{row['entries']:,}", f"{row['bytes']:,}", row["oldest"] or "-",
+                              row["newest"] or "-")
             console.print(table)
             return 0
         report = _verify(store, args.delete, secret)

@@ -10,7 +10,8 @@ from kvgroups.store.codec import CorruptEntryError, EntryInfo, decode_entry, enc
 from kvgroups.store.files import FileStore
 from kvgroups.store.keys import chunk_namespace, prefix_keys
 from kvgroups.store.memory import MemoryStore
-from kvgroups.store.prefixes import GroupPrefix, LoadedPrefix
+from kvgroups.store.metrics import StoreMetrics, TierMetrics
+from kvgroups.store.prefixes import GroupPrefix, LoadedPrefix, StoredPrefix
 from kvgroups.store.redis_store import RedisStore
 from kvgroups.store.secret import StoreSecret
 from kvgroups.store.tiered import TieredStore
@@ -29,9 +30,12 @@ __all__ = [
     "RedisStore",
     "StoreError",
     "StoreFullError",
+    "StoreMetrics",
     "StoreSecret",
     "StoreStats",
     "StoreTimeoutError",
+    "StoredPrefix",
+    "TierMetrics",
     "TieredStore",
     "chunk_namespace",
     "decode_entry",

@@ -1,8 +1,9 @@
 """Stored entries: one group's chunk tensor as a safetensors blob that says what it is, checked on every read.
 
 An entry is a safetensors file: 8 bytes of header length, a JSON header naming one tensor ``kv``
-and a ``__metadata__`` of strings (format, key, metadata fingerprint, group, chunk, dtype, shape),
-then the tensor's bytes. Its integrity is one of three seals, named in the metadata:
+and a ``__metadata__`` of strings (format, key, metadata fingerprint, group, chunk, dtype, shape,
+and ``written``: the Unix second it was written, for ``kvgroups store stats``), then the tensor's
+bytes. Its integrity is one of three seals, named in the metadata:
 
 - none (no secret): an xxh3-64 ``checksum`` of the metadata and the bytes, against accidents;
 - ``gmac`` (a :class:`~kvgroups.store.secret.StoreSecret`): a ``mac`` nobody without the secret
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +124,7 @@ def encode_entry(tensor: torch.Tensor, info: EntryInfo, *, secret: StoreSecret |
         raise KVGroupsError("encrypt=True needs a secret")
     data = _bytes_of(tensor.detach().to("cpu").contiguous())
     metadata = info.metadata()
+    metadata["written"] = str(int(time.time()))  # sealed with the rest; not compared on reads
     stored_dtype, stored_shape = _SAFETENSORS_DTYPES[info.dtype], list(info.shape)
     if secret is None:
         metadata["checksum"] = _checksum(metadata, data)

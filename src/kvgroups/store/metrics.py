@@ -95,6 +95,23 @@ class StoreMetrics:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
+    def summary(self) -> dict[str, object]:
+        """The numbers as plain values (for JSON and the CLI): counters, and count and total seconds per
+        histogram; per tier its reads, hits, promotions and the errors that happened."""
+        plain: dict[str, object] = {"tier": self.tier, "hit_rate": round(self.hit_rate, 4)}
+        for name in ("lookups", "query_tokens", "hit_tokens", "loads", "loaded_tokens", "load_bytes", "saved_chunks",
+                     "save_bytes", "dropped_saves", "failed_saves", "failed_reads", "corrupt_entries"):
+            plain[name] = getattr(self, name)
+        plain["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
+        plain["dropped_by_reason"] = {reason: count for reason, count in self.dropped_by_reason.items() if count}
+        for name in ("lookup_seconds", "load_seconds", "save_seconds"):
+            histogram: Histogram = getattr(self, name)
+            plain[name] = {"count": histogram.count, "total": round(histogram.total, 6)}
+        plain["tiers"] = {tier.tier: {"gets": tier.gets, "hits": tier.hits, "promotions": tier.promotions,
+                                      "errors": {kind: count for kind, count in tier.errors.items() if count}}
+                          for tier in self.tiers}
+        return plain
+
     def looked_up(self, query_tokens: int, tokens_by_tier: Mapping[str, int], seconds: float) -> None:
         self.lookups += 1
         self.query_tokens += query_tokens

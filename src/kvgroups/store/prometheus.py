@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvgroups.store.metrics import DROP_REASONS, ERROR_KINDS, REGISTRY, SECONDS_BUCKETS, Histogram
+from kvgroups.store.metrics import DROP_REASONS, ERROR_KINDS, REGISTRY, SECONDS_BUCKETS, Histogram, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,11 @@ def _family(kind: str, name: str, documentation: str, labels: list[str]) -> Any:
 
 
 class Collector:
-    """Every live chunk store's numbers, summed per label, as Prometheus families."""
+    """Every live chunk store's numbers (of ``stores``: by default every store of the process), summed per
+    label, as Prometheus families."""
+
+    def __init__(self, stores: Registry = REGISTRY) -> None:
+        self.stores = stores
 
     def describe(self) -> list[Any]:
         # Without describe(), registering would collect at once, from stores still being opened.
@@ -68,7 +72,7 @@ class Collector:
         counters: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
         histograms: dict[str, dict[str, Histogram]] = defaultdict(dict)
         gauges: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
-        for owner, metrics in REGISTRY.items():
+        for owner, metrics in self.stores.items():
             tier = metrics.tier
             for name in COUNTERS:
                 counters[name][(tier,)] += getattr(metrics, name)

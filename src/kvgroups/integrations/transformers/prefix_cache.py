@@ -24,6 +24,7 @@ from kvgroups.integrations.transformers.support import check_supported, model_id
 from kvgroups.store import KVChunkStore, LoadedPrefix, StoreSecret
 from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.keys import token_array
+from kvgroups.store.metrics import StoreMetrics
 from kvgroups.store.urls import StoreArg
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in all)
@@ -167,6 +168,12 @@ class PrefixCache:
             return torch.cat([ids[None, :-1], output], dim=1)
         return self.model.generate(ids[None], cache=result.cache,  # type: ignore[no-any-return]
                                    max_new_tokens=max_new_tokens, **kwargs)
+
+    @property
+    def stats(self) -> StoreMetrics:
+        """What the store did for this cache: hit and query tokens, loads, saves, bytes, latencies, errors
+        (the numbers kvgroups exports to Prometheus; docs/metrics.md says what each means)."""
+        return self.chunk_store.stats
 
     def flush(self) -> None:
         """Wait until every chunk saved so far is in the store."""

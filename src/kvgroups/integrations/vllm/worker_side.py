@@ -156,7 +156,7 @@ class WorkerSide:
                 (self.deployment.groups[member].chunk_shape(self.chunk_size), self.deployment.groups[member].dtype)
                 for member in packs])
             if buffers is None:
-                store.stats.dropped_saves += 1
+                store.stats.dropped("no_buffer")
                 continue
             tensors = {}
             for (member, how), buffer in zip(packs.items(), buffers, strict=True):
