@@ -9,15 +9,19 @@ In one run, interleaved (recompute, memory, file, Valkey/Redis, a Valkey/Redis C
     plain forward;
 and for a Gemma-3-like model (5 sliding layers of window 1024 per full layer) the bytes a reuse
 reads from the store against the bytes of every layer's chunks.
+
+What the metrics cost: the reuse from memory also runs with the metrics' updates switched off
+(interleaved), and the updates one prefill makes are timed alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,8 @@ import torch
 import transformers
 
 from kvgroups.integrations.transformers import PrefixCache
+from kvgroups.store.base import ByteStore
+from kvgroups.store.metrics import Histogram, StoreMetrics
 from models import gemma3_like, llama_like
 from servers import local_cluster, local_redis
 
@@ -44,6 +50,37 @@ def miss_pair(model: Any, cache: PrefixCache, generator: torch.Generator) -> tup
     assert missed.reused_tokens == 0
     cache.flush()
     return plain, missed.seconds
+
+
+@contextlib.contextmanager
+def without_metrics() -> Iterator[None]:
+    """Every metrics update of the request path made a no-op (what the store would cost without them)."""
+    def nothing(*_: object, **__: object) -> None:
+        return None
+
+    patched = [(StoreMetrics, name) for name in ("looked_up", "loaded", "saved")] + [
+        (Histogram, "observe"), (ByteStore, "record_read"), (ByteStore, "record_error")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in patched]
+    for owner, name in patched:
+        setattr(owner, name, nothing)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def metrics_work_seconds(cache: PrefixCache, saves: int, repeats: int = 20000) -> float:
+    """The metric updates of one prefill (a lookup, a load, ``saves`` saves, a read), timed alone."""
+    stats, store = StoreMetrics(tier="memory", num_groups=len(cache.groups)), cache.chunk_store.store
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        stats.looked_up(PROMPT, {"memory": SHARED}, 0.001)
+        stats.loaded(SHARED, 0.01)
+        for _ in range(saves):
+            stats.saved(1 << 20, 0.01)
+        store.record_read(SHARED // CHUNK, SHARED // CHUNK)
+    return (time.perf_counter() - begin) / repeats
 
 
 def seconds(action: Callable[[], object]) -> float:
@@ -71,7 +108,7 @@ def main() -> None:
         for cache in caches.values():
             cache.prefill(stored)
             cache.flush()
-        reuse: dict[str, list[float]] = {"recompute": [], **{tier: [] for tier in caches}}
+        reuse: dict[str, list[float]] = {"recompute": [], **{tier: [] for tier in caches}, "memory, metrics off": []}
         reused: dict[str, int] = {}
         miss: list[tuple[float, float]] = []
         for round_ in range(args.rounds):
@@ -81,6 +118,8 @@ def main() -> None:
                 reuse[tier].append(result.seconds)
                 reused[tier] = result.reused_tokens
                 cache.flush()
+            with without_metrics():
+                reuse["memory, metrics off"].append(caches["memory"].prefill(prompt).seconds)
             miss.append(miss_pair(model, caches["memory"], generator))
             print(f"round {round_ + 1}: " + ", ".join(f"{name} {values[-1]:.2f} s" for name, values in reuse.items()),
                   flush=True)
@@ -96,6 +135,13 @@ def main() -> None:
         ttft = statistics.median(reuse[tier])
         pairs = statistics.median(r / t for r, t in zip(reuse["recompute"], reuse[tier], strict=True))
         print(f"| reuse from {tier} | {reused[tier]} | {ttft:.2f} | {pairs:.1f}x |")
+    with_metrics, off = reuse["memory"], reuse["memory, metrics off"]
+    cost = statistics.median(on / without for on, without in zip(with_metrics, off, strict=True))
+    work = metrics_work_seconds(caches["memory"], saves=1)
+    print(f"\nMetrics: reuse from memory with them / without them (paired, interleaved): {cost:.3f}x "
+          f"({statistics.median(with_metrics):.3f} s vs {statistics.median(off):.3f} s); the updates of one prefill "
+          f"timed alone: {work * 1e6:.1f} us, {work / statistics.median(with_metrics):.5%} of its time to first token")
+
     def report_miss(what: str, pairs: list[tuple[float, float]]) -> None:
         ratio = statistics.median(ours / plain for plain, ours in pairs)
         plain_s, ours_s = statistics.median(p for p, _ in pairs), statistics.median(o for _, o in pairs)

@@ -3,7 +3,9 @@ runs it (``<!-- tested: tests/FILE.py::TEST -->`` on the line before), and these
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import re
 import shlex
 import sys
@@ -203,6 +205,23 @@ def test_store_example_runs(tmp_path: Path) -> None:
     namespace["store"].close()
 
 
+def test_metrics_example_runs() -> None:
+    """The metrics block on a tiny llama: prompt B shares 3 of prompt A's 4 chunks of 8 tokens."""
+    from tests.tiny_models import tiny_model
+
+    (block,) = claimed("test_metrics_example_runs")
+    generator = torch.Generator().manual_seed(0)
+    prompt_a = torch.randint(3, 256, (33,), generator=generator)
+    prompt_b = torch.cat([prompt_a[:24], torch.randint(3, 256, (9,), generator=generator)])
+    namespace: dict[str, Any] = {"model": tiny_model("llama"), "prompt_a": prompt_a, "prompt_b": prompt_b}
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(compile(block.code, block.where, "exec"), namespace)
+    said = [line.split("#", 1)[1].strip() for line in block.code.splitlines() if line.strip().startswith("print(")]
+    assert output.getvalue().splitlines() == said
+
+
 if __name__ == "__main__":  # pragma: no cover - lists the blocks and who runs them
     for found in blocks():
         sys.stdout.write(f"{found.where}\t{found.language}\t{found.tested_by}\n")
+
