@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -22,22 +23,45 @@ ERROR_KINDS = ("timeout", "unavailable", "corrupt", "too_large", "full")
 DROP_REASONS = ("queue_full", "backed_off", "no_buffer")
 
 
+# Observations a histogram keeps for a reporter that forwards each one (vLLM's own histograms), at most.
+RECENT_LIMIT = 65536
+
+
 @dataclass
 class Histogram:
-    """Counts of observations per bucket (``le`` bounds of :data:`SECONDS_BUCKETS`, then +Inf), and their sum."""
+    """Counts of observations per bucket (``le`` bounds of :data:`SECONDS_BUCKETS`, then +Inf), and their sum.
+
+    ``recent`` (off unless a reporter turns it on with :meth:`keep_recent`) keeps the observations
+    since the reporter last took them, for metrics systems that take values one by one.
+    """
 
     counts: list[int] = field(default_factory=lambda: [0] * (len(SECONDS_BUCKETS) + 1))
     total: float = 0.0
+    recent: deque[float] | None = None
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(SECONDS_BUCKETS, value)] += 1
         self.total += value
+        if self.recent is not None:
+            self.recent.append(value)  # a deque: safe against a reporter taking them on another thread
+
+    def keep_recent(self) -> None:
+        if self.recent is None:
+            self.recent = deque(maxlen=RECENT_LIMIT)
+
+    def take_recent(self) -> list[float]:
+        """The observations since the last call (the oldest dropped beyond :data:`RECENT_LIMIT`)."""
+        recent = self.recent
+        if recent is None:
+            return []
+        return [recent.popleft() for _ in range(len(recent))]
 
     @property
     def count(self) -> int:
         return sum(self.counts)
 
     def merge(self, other: Histogram) -> None:
+        """Add ``other``'s counts and sum (its recent observations stay its own)."""
         self.counts = [mine + theirs for mine, theirs in zip(self.counts, other.counts, strict=True)]
         self.total += other.total
 
