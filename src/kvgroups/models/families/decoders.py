@@ -43,7 +43,7 @@ _STANDARD: Mapping[str, Mapping[str, Any]] = {
     "diffllama": _defaults(16, 32, 2048, 2048), "emu3_text_model": _defaults(32, 32, 4096, 9216, num_key_value_heads=8),
     "ernie4_5": _defaults(18, 16, 1024, 131072, num_key_value_heads=2, head_dim=128),
     "ernie4_5_moe": _defaults(28, 20, 2560, 131072, num_key_value_heads=4),
-    "exaone": _defaults(32, 32, 4096, 4096, num_key_value_heads=8), "flex_olmo": _defaults(32, 32, 4096, 4096),
+    "flex_olmo": _defaults(32, 32, 4096, 4096),
     "gemma": _defaults(28, 16, 3072, 8192, num_key_value_heads=16, head_dim=256),
     "glm": _defaults(40, 32, 4096, 131072, num_key_value_heads=2, head_dim=128),
     "glm4": _defaults(40, 32, 4096, 131072, num_key_value_heads=2, head_dim=128),
@@ -76,6 +76,9 @@ _STANDARD: Mapping[str, Mapping[str, Any]] = {
 }
 for _model_type, _found in _STANDARD.items():
     family(_model_type, defaults=_found)(_every_layer)
+# EXAONE 3's published configs name the layer count num_layers (transformers maps it to num_hidden_layers).
+family("exaone", defaults=_defaults(32, 32, 4096, 4096, num_key_value_heads=8),
+       aliases={"num_hidden_layers": "num_layers"})(_every_layer)
 
 # Encoder models built as decoders (``is_decoder: true``) keep a K/V cache per layer.
 _AS_DECODERS: Mapping[str, Mapping[str, Any]] = {
