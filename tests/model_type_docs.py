@@ -29,6 +29,13 @@ the config class with small dimensions: `tests/model_type_recipes.py`) and reads
   the logit scale, and its 8 greedy tokens equal `model.generate`'s. `PrefixCache` serves exactly
   the types verified here and refuses the others with the reason below.
 
+What each layer caches, in the tiny model (4 layers unless its loops or cycles add more): `full 2x16`
+keys and values of 2 heads x 16 for every token, `window 16 2x16` of the last tokens of a 16-token
+sliding window (or chunk), `full latent 32+8` an MLA latent and its rope key, `indexer 16` a sparse
+indexer's keys, `conv 128x4` and `state 4x16x16` conv and recurrent states per sequence, `none` a
+layer that keeps nothing (MLP, MoE, a layer sharing another's KV), `empty` a layer a text-only
+forward leaves empty (cross-attention); `+` joins caches of one layer, `×3` repeats a layer.
+
 A composite type whose text model is swept on its own (gemma3, llama4, qwen3_5, ...) takes that
 type's result: both look the model up by its text config's `model_type`, shown in brackets.
 

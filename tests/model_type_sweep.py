@@ -210,7 +210,10 @@ def _words(entries: list[Entry]) -> list[str]:
         kind = entry[0]
         if kind == "kv":
             _, heads, k_dim, v_heads, v_dim, window, _ = entry
-            size = f"{heads}x{k_dim}" + (f"/{v_heads}x{v_dim}" if (v_heads, v_dim) != (heads, k_dim) else "")
+            if heads == v_heads == 1 and k_dim != v_dim:  # transformers keeps MLA's latent as keys, rope key as values
+                size = f"latent {k_dim}+{v_dim}"
+            else:
+                size = f"{heads}x{k_dim}" + (f"/{v_heads}x{v_dim}" if (v_heads, v_dim) != (heads, k_dim) else "")
             words.append(f"{'full' if window is None else f'window {window}'} {size}")
         elif kind in ("conv", "state"):
             words.append(f"{kind} {'x'.join(str(dim) for dim in entry[1:-1])}" + (
