@@ -127,10 +127,11 @@ def test_two_processes_share_prefixes_through_the_cluster(tmp_path: Path, capsys
 
 def test_each_master_evicts_its_own_least_recently_used(tmp_path: Path) -> None:
     """Under allkeys-lru a master evicts its own least recently used values: keys that hash to one
-    master, the first used after the others were written, then filled until the second goes."""
+    master, the first used after the others were written, then filled until the master evicts."""
     value = 256 * 1024 - 64
     settings = ("--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
-    with running_cluster(tmp_path / "cluster", settings=settings) as cluster:
+    # No replicas: a replication backlog allocated after the budget is set would take part of it.
+    with running_cluster(tmp_path / "cluster", replicas=0, settings=settings) as cluster:
         store = open_store(cluster.url)
         assert isinstance(store, RedisClusterStore)
         master = store._client.get_node_from_key(value_parts.head_name("k0")).name
@@ -144,13 +145,14 @@ def test_each_master_evicts_its_own_least_recently_used(tmp_path: Path) -> None:
         time.sleep(1.1)  # a server's LRU clock ticks once a second
         assert store.get(same[0]) is not None
         time.sleep(1.1)
+        # Filled until the master evicts (asked of INFO: EXISTS would touch the keys it asks about).
         filled = 4
-        while store.contains(same[1]):
+        while int(client.info("stats")["evicted_keys"]) == 0:
             assert filled < 24, "nothing was evicted"
             store.put(same[filled], bytes(value))
             filled += 1
         assert store.get(same[0]) is not None  # used after the others: still there
-        assert not store.contains(same[1])
+        assert sum(store.contains(name) for name in same[1:4]) < 3  # one of the least recently used went
         client.close()
         store.close()
 

@@ -120,6 +120,21 @@ def test_damaged_entries_are_misses_on_every_tier(tier: str, tmp_path: Path, ser
     store.close()
 
 
+@pytest.mark.parametrize(("old", "new"), [(b'"dtype":"BF16"', b'"dtype":"BF36"'),
+                                          (b'"dtype":"BF16"', b'"dtype":"F16" '),
+                                          (b'"shape":[2,1,8,8]', b'"shape":[1,2,8,8]')])
+def test_a_tensor_described_otherwise_than_its_metadata_is_corrupt(old: bytes, new: bytes) -> None:
+    # Found by the test above: an edited digit in the safetensors dtype ("BF16" -> "BF36") went unseen,
+    # since the checksum covers the metadata and the bytes, not the safetensors description.
+    store = saved_store(build_metadata(KINDS), MemoryStore(), TOKENS)
+    key = store.entry_key(store.keys(TOKENS)[0], 0)
+    original = _raw(store.store, key)
+    assert original.count(old) == 1
+    with pytest.raises(KVGroupsError, match="entry tensor is described as"):
+        decode_entry(original.replace(old, new), store._info(store.keys(TOKENS)[0], 0, 0))
+    store.close()
+
+
 def _where(store: KVChunkStore, keys: list[str], entry: str) -> tuple[int, int]:
     """(chunk, group) of an entry key."""
     return next((chunk, group) for chunk, key in enumerate(keys) for group in range(len(store.groups))

@@ -204,7 +204,11 @@ def _decode(view: memoryview, expected: EntryInfo | None, secret: StoreSecret | 
     dtype, shape = dtype_from_name(metadata["dtype"]), json.loads(metadata["shape"])
     if not isinstance(shape, list) or not all(isinstance(dim, int) and dim >= 0 for dim in shape):
         raise CorruptEntryError(f"entry shape {metadata['shape']!r} is not a list of sizes")
-    payload = _payload(view, header, 0 if seal != SEAL_ENCRYPTED else TAG_BYTES, math.prod(shape) * dtype.itemsize)
+    tensor_bytes = math.prod(shape) * dtype.itemsize
+    # What a plain safetensors reader would see must be what the metadata says: the tensor, or the
+    # ciphertext and its tag as bytes.
+    described = (_SAFETENSORS_DTYPES[dtype], shape) if seal != SEAL_ENCRYPTED else ("U8", [tensor_bytes + TAG_BYTES])
+    payload = _payload(view, header, described, tensor_bytes + (0 if seal != SEAL_ENCRYPTED else TAG_BYTES))
     if seal is None:
         if metadata.get("checksum") != _checksum(metadata, payload):
             raise CorruptEntryError(f"entry checksum {metadata.get('checksum')!r} does not match its header and bytes")
@@ -226,17 +230,23 @@ def _decode(view: memoryview, expected: EntryInfo | None, secret: StoreSecret | 
     return tensor
 
 
-def _payload(view: memoryview, header: dict[str, Any], extra_bytes: int, tensor_bytes: int) -> memoryview:
-    """The tensor's bytes, where the header's one tensor says they are, when that adds up."""
+def _payload(view: memoryview, header: dict[str, Any], dtype_and_shape: tuple[str, list[int]],
+             payload_bytes: int) -> memoryview:
+    """The stored bytes, where the header's one tensor says they are, when its dtype, shape and offsets
+    are ``dtype_and_shape`` and ``payload_bytes``."""
     described = header.get(TENSOR_NAME)
     if not isinstance(described, dict) or set(header) != {"__metadata__", TENSOR_NAME}:
         raise CorruptEntryError(f"entry header must describe one tensor {TENSOR_NAME!r}, got {sorted(header)}")
+    if set(described) != {"dtype", "shape", "data_offsets"} or \
+            (described["dtype"], described["shape"]) != dtype_and_shape:
+        raise CorruptEntryError(f"entry tensor is described as {described!r}; its metadata says dtype "
+                                f"{dtype_and_shape[0]} shape {dtype_and_shape[1]}")
     offsets = described.get("data_offsets")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(at, int) for at in offsets)):
         raise CorruptEntryError(f"entry data_offsets {offsets!r} are not two ints")
     start = _HEADER_LENGTH.size + _HEADER_LENGTH.unpack_from(view)[0]
     begin, end = offsets
-    if not 0 <= begin <= end or start + end != view.nbytes or end - begin != tensor_bytes + extra_bytes:
-        raise CorruptEntryError(f"entry data_offsets {offsets} do not hold {tensor_bytes + extra_bytes} bytes "
+    if not 0 <= begin <= end or start + end != view.nbytes or end - begin != payload_bytes:
+        raise CorruptEntryError(f"entry data_offsets {offsets} do not hold {payload_bytes} bytes "
                                 f"in a value of {view.nbytes} bytes")
     return view[start + begin:start + end]

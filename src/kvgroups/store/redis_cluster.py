@@ -18,12 +18,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvgroups.store import resp, value_parts
 from kvgroups.store.base import StoreError
 from kvgroups.store.health import Backoff, RateLimitedLog
 from kvgroups.store.redis_settings import RedisSettings
 from kvgroups.store.redis_store import RespStore, redis_module
-from kvgroups.store.value_parts import KEY_PREFIX
+from kvgroups.store.resp import RespError
+from kvgroups.store.value_parts import KEY_PREFIX, head_name, key_of
 
 
 class _NodeDownError(Exception):
@@ -82,11 +82,11 @@ class RedisClusterStore(RespStore):
         connection = pool.get_connection()
         try:
             yield connection
-        except (resp.RespError, OSError, self._redis.exceptions.RedisError) as error:
+        except (RespError, OSError, self._redis.exceptions.RedisError) as error:
             connection.disconnect()
             # A refused value (OOM: full) is that value's; the master itself failed only when it could not
             # be reached or no longer holds the slot (resharded, failed over: the topology is read again).
-            if not isinstance(error, resp.RespError) or error.message.startswith(("MOVED", "ASK", "CLUSTERDOWN")):
+            if not isinstance(error, RespError) or error.message.startswith(("MOVED", "ASK", "CLUSTERDOWN")):
                 self._node_failed(node.name, error)
             raise
         finally:
@@ -112,7 +112,7 @@ class RedisClusterStore(RespStore):
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for index, key in enumerate(keys):
             try:
-                node = self._node(value_parts.head_name(key))
+                node = self._node(head_name(key))
             except _NodeDownError:
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(index)
@@ -121,7 +121,7 @@ class RedisClusterStore(RespStore):
             try:
                 with self._client.get_redis_connection(node).pipeline(transaction=False) as pipeline:
                     for index in indices:
-                        pipeline.exists(value_parts.head_name(keys[index]))
+                        pipeline.exists(head_name(keys[index]))
                     for index, found in zip(indices, pipeline.execute(), strict=True):
                         present[index] = bool(found)
                 answered += 1
@@ -136,7 +136,7 @@ class RedisClusterStore(RespStore):
         counts = {}
         for node in self._client.get_primaries():
             connection = self._client.get_redis_connection(node)
-            counts[node.name] = sum(value_parts.key_of(name.decode("utf-8")) is not None
+            counts[node.name] = sum(key_of(name.decode("utf-8")) is not None
                                     for name in connection.scan_iter(match=KEY_PREFIX + "*", count=1000))
         return counts
 

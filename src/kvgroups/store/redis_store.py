@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvgroups.core.sizes import MIB
-from kvgroups.store import resp, value_parts
 from kvgroups.store.base import (
     ByteStore,
     EntryTooLargeError,
@@ -32,7 +31,8 @@ from kvgroups.store.base import (
     check_value,
 )
 from kvgroups.store.redis_settings import RedisSettings
-from kvgroups.store.value_parts import HEADER_BYTES, KEY_PREFIX, PART_BYTES
+from kvgroups.store.resp import RespError, get_range, set_values
+from kvgroups.store.value_parts import HEADER_BYTES, KEY_PREFIX, PART_BYTES, Header, head_name, key_of, part_name, split
 
 # What a server accepts when it does not say (Redis' and Valkey's default proto-max-bulk-len).
 _DEFAULT_MAX_VALUE_BYTES = 512 * MIB
@@ -64,7 +64,7 @@ class RespStore(ByteStore):
         self.settings = settings
         self.url = settings.url  # masked: never holds the password
         self.ttl_seconds = settings.ttl_seconds
-        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError, resp.RespError)
+        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError, RespError)
         self._timeouts: tuple[type[BaseException], ...] = (redis.exceptions.TimeoutError, TimeoutError)
         self._max_value_bytes: int | None = None
         self._workers = ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="kvgroups-redis")
@@ -76,7 +76,7 @@ class RespStore(ByteStore):
     def _fail(self, action: str, error: BaseException) -> StoreError:
         # A pool that stays exhausted for the whole timeout is a timeout too (a hung server holds its connections).
         timed_out = isinstance(error, self._timeouts) or "No connection available" in str(error)
-        full = isinstance(error, resp.RespError) and error.message.startswith("OOM")
+        full = isinstance(error, RespError) and error.message.startswith("OOM")
         kind = StoreTimeoutError if timed_out else StoreFullError if full else StoreError
         return kind(f"{self.url}: cannot {action}: {type(error).__name__}: {error}")
 
@@ -104,14 +104,14 @@ class RespStore(ByteStore):
         self.put_many([(key, value)])
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
-        layouts = [value_parts.split(key, self._checked(key, value)) for key, value in items]
+        layouts = [split(key, self._checked(key, value)) for key, value in items]
         # One value on one connection (its parts, then its head, in order: a server reads one stream
         # as fast as a client sends it); several values at once over the workers.
         self._run("SET", [(self._set, layout) for layout in layouts])
 
     def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> None:
         with self._connection_for(layout[-1][0]) as connection:
-            resp.set_values(connection, layout, self.ttl_seconds)
+            set_values(connection, layout, self.ttl_seconds)
 
     def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         return self.get_many([key], max_bytes)[0]
@@ -123,11 +123,11 @@ class RespStore(ByteStore):
         first = HEADER_BYTES + PART_BYTES
         capacity = HEADER_BYTES + (max_bytes + 1 if max_bytes is not None else PART_BYTES)
         buffers = [bytearray(max(capacity, first) if max_bytes is None else capacity) for _ in keys]
-        heads = self._run("GET", [(self._get_range, value_parts.head_name(key), buffer, 0)
+        heads = self._run("GET", [(self._get_range, head_name(key), buffer, 0)
                                   for key, buffer in zip(keys, buffers, strict=True)])
         jobs, wanted = [], []
         for index, (key, length) in enumerate(zip(keys, heads, strict=True)):
-            header = value_parts.Header.unpack(buffers[index]) if length else None
+            header = Header.unpack(buffers[index]) if length else None
             if header is None:  # absent; or not a value kvgroups wrote: its bytes, which no decoder takes
                 wanted.append(0 if not length else -length)
                 continue
@@ -135,7 +135,7 @@ class RespStore(ByteStore):
             if HEADER_BYTES + want > len(buffers[index]):
                 buffers[index] = buffers[index][:length] + bytearray(HEADER_BYTES + want - length)
             wanted.append(want)
-            jobs += [(self._get_range, value_parts.part_name(key, part), buffers[index],
+            jobs += [(self._get_range, part_name(key, part), buffers[index],
                       HEADER_BYTES + part * header.part_bytes) for part in range(1, -(-want // header.part_bytes))]
         lengths = dict(zip(((job[1], job[3]) for job in jobs), self._run("GET", jobs), strict=True))
         values: list[Stored | None] = []
@@ -143,11 +143,11 @@ class RespStore(ByteStore):
             if want <= 0:
                 values.append(bytes(buffers[index][:-want]) if want else None)
                 continue
-            header = value_parts.Header.unpack(buffers[index])
+            header = Header.unpack(buffers[index])
             assert header is not None  # unpacked above
             parts = range(1, -(-want // header.part_bytes))
             expected = [min(header.part_bytes, want - part * header.part_bytes) for part in parts]
-            got = [lengths[value_parts.part_name(key, part), HEADER_BYTES + part * header.part_bytes]
+            got = [lengths[part_name(key, part), HEADER_BYTES + part * header.part_bytes]
                    for part in parts]
             # A part gone (evicted, expired) while its head stayed: the value is a miss.
             values.append(memoryview(buffers[index])[HEADER_BYTES:HEADER_BYTES + want] if got == expected else None)
@@ -160,7 +160,7 @@ class RespStore(ByteStore):
         with self._connection_for(name) as connection:
             view = memoryview(buffer)
             try:
-                return resp.get_range(connection, name, 0, view[start:start + size])
+                return get_range(connection, name, 0, view[start:start + size])
             finally:
                 view.release()
 
@@ -178,16 +178,16 @@ class RespStore(ByteStore):
         value = self.get(key, max(num_bytes - 1, 0))
         return None if value is None else bytes(value[:num_bytes])
 
-    def _header(self, key: str) -> value_parts.Header | None:
+    def _header(self, key: str) -> Header | None:
         buffer = bytearray(HEADER_BYTES)
-        length = self._run("GET", [(self._get_range_of, value_parts.head_name(key), buffer)])[0]
-        return value_parts.Header.unpack(buffer) if length == HEADER_BYTES else None
+        length = self._run("GET", [(self._get_range_of, head_name(key), buffer)])[0]
+        return Header.unpack(buffer) if length == HEADER_BYTES else None
 
     def _get_range_of(self, name: bytes, buffer: bytearray) -> int:
         with self._connection_for(name) as connection:
             view = memoryview(buffer)
             try:
-                return resp.get_range(connection, name, 0, view)
+                return get_range(connection, name, 0, view)
             finally:
                 view.release()
 
@@ -201,16 +201,16 @@ class RespStore(ByteStore):
         try:
             with self._client.pipeline(transaction=False) as pipeline:
                 for key in keys:
-                    pipeline.exists(value_parts.head_name(key))
+                    pipeline.exists(head_name(key))
                 return [bool(found) for found in pipeline.execute()]
         except self._errors as error:
             raise self._fail(f"EXISTS {len(keys)} keys", error) from error
 
     def delete(self, key: str) -> bool:
         header = self._header(key)
-        names = [value_parts.head_name(key)]
+        names = [head_name(key)]
         if header is not None:
-            names += [value_parts.part_name(key, part) for part in range(1, header.num_parts)]
+            names += [part_name(key, part) for part in range(1, header.num_parts)]
         try:
             return bool(self._client.delete(names[0])) | bool(names[1:] and self._delete_names(names[1:]))
         except self._errors as error:
@@ -224,7 +224,7 @@ class RespStore(ByteStore):
         if header is not None:
             return header.length
         try:
-            length = self._client.strlen(value_parts.head_name(key))
+            length = self._client.strlen(head_name(key))
         except self._errors as error:
             raise self._fail(f"STRLEN {key!r}", error) from error
         return int(length) or None
@@ -239,7 +239,7 @@ class RespStore(ByteStore):
 
     def iter_keys(self) -> Iterator[str]:
         for name in self._scan():
-            key = value_parts.key_of(name)
+            key = key_of(name)
             if key is not None:
                 yield key
 
@@ -251,7 +251,7 @@ class RespStore(ByteStore):
                 self._client.delete(name)
         except self._errors as error:
             raise self._fail("DEL", error) from error
-        return sum(value_parts.key_of(name) is not None for name in names)
+        return sum(key_of(name) is not None for name in names)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
