@@ -28,6 +28,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from kvgroups.core.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
@@ -175,22 +178,36 @@ def anchor_gibs(port: int, op: str, size: int, requests: int) -> float:
     return float(rate) * size / (1 << 30)
 
 
+def owner_of_benchmark_key(cluster: Any) -> int:
+    """The port of the cluster master holding ``key:__rand_int__``, the one key redis-benchmark sets and
+    gets (it names no other without -r)."""
+    client = redis.Redis(port=cluster.ports[0])
+    slot = int(client.execute_command("CLUSTER", "KEYSLOT", "key:__rand_int__"))
+    for start, end, (_, port, *_) in ([int(part) for part in shard[:2]] + [shard[2]]
+                                      for shard in client.execute_command("CLUSTER", "SLOTS")):
+        if start <= slot <= end:
+            client.close()
+            return int(port)
+    raise RuntimeError("no master holds the benchmark key's slot")
+
+
 def server_rows(root: Path, rounds: int) -> list[str]:
-    """The Redis tier, on one server and on a 3-master cluster, against ``redis-benchmark -c 1`` with
-    1 MiB values (the raw anchor), run in turn, round after round; ratios are medians over the
-    rounds of ours / the anchor's rate in the same round."""
+    """The Redis tier, on one server and on a 3-master cluster (each master with a replica), against
+    ``redis-benchmark -c 1`` with 1 MiB values on the same deployment (for the cluster: on the master
+    holding its key, which replicates what it is sent as ours do), run in turn, round after round;
+    ratios are medians over the rounds of ours / the anchor's rate in the same round."""
     if shutil.which("redis-benchmark") is None or installed_server() is None:
         return ["| - | - | - | no redis-benchmark or server installed | |"]
-    rows: dict[tuple[str, str, int, str], list[float]] = {}
+    rows: dict[tuple[str, str, int], list[float]] = {}
+    rates: dict[tuple[str, str, int], list[float]] = {}
     with running_server(root / "server") as server, running_cluster(root / "cluster") as cluster:
-        stores = {"redis": open_store(server.url), "redis-cluster": open_store(cluster.url)}
+        stores = {"redis": (open_store(server.url), server.port),
+                  "redis-cluster": (open_store(cluster.url), owner_of_benchmark_key(cluster))}
         for _ in range(rounds):
-            anchors = {op: anchor_gibs(server.port, op, MIB, 60) for op in ("get", "set")}
-            for op, rate in anchors.items():
-                rows.setdefault(("redis-benchmark -c 1", op.upper(), MIB, "get" if op == "get" else "put"),
-                                []).append(rate / rate)
-                rows.setdefault(("anchor", op, MIB, ""), []).append(rate)
-            for name, store in stores.items():
+            for name, (store, anchor_port) in stores.items():
+                anchors = {op: anchor_gibs(anchor_port, op, MIB, 60) for op in ("get", "set")}
+                for op, rate in anchors.items():
+                    rates.setdefault((f"redis-benchmark -c 1 ({name})", op.upper(), MIB), []).append(rate)
                 for size in (MIB, 16 * MIB):
                     # Eight keys replaced in turn: the server's own client replaces one key, so neither
                     # pays for the server allocating new memory on every write.
@@ -204,22 +221,16 @@ def server_rows(root: Path, rounds: int) -> list[str]:
                     for index in range(count):
                         store.get(f"b{size}-{index % 8}", max_bytes=size)
                     get = size * count / (time.perf_counter() - begin) / (1 << 30)
-                    rows.setdefault((name, "get", size, "get"), []).append(get / anchors["get"])
-                    rows.setdefault((name, "put", size, "put"), []).append(put / anchors["set"])
-                    rows.setdefault(("rate", f"{name} get", size, ""), []).append(get)
-                    rows.setdefault(("rate", f"{name} put", size, ""), []).append(put)
-        for store in stores.values():
+                    for op, rate, anchor in (("get", get, anchors["get"]), ("put", put, anchors["set"])):
+                        rows.setdefault((name, op, size), []).append(rate / anchor)
+                        rates.setdefault((name, op, size), []).append(rate)
+        for store, _ in stores.values():
             store.clear()
             store.close()
-    lines = []
-    for (client, op, size, anchor_op), ratios in rows.items():
-        if client in ("anchor", "rate"):
-            continue
-        if client == "redis-benchmark -c 1":
-            rate = statistics.median(rows[("anchor", anchor_op if anchor_op == "get" else "set", MIB, "")])
-        else:
-            rate = statistics.median(rows[("rate", f"{client} {op}", size, "")])
-        lines.append(f"| {client} | {size // MIB} MiB | {op} | {rate:.2f} | {statistics.median(ratios):.2f} |")
+    lines = [f"| {client} | 1 MiB | {op} | {statistics.median(values):.2f} | 1.00 |"
+             for (client, op, _), values in rates.items() if client.startswith("redis-benchmark")]
+    lines += [f"| {name} | {size // MIB} MiB | {op} | {statistics.median(rates[name, op, size]):.2f} | "
+              f"{statistics.median(ratios):.2f} |" for (name, op, size), ratios in rows.items()]
     return lines
 
 
@@ -249,9 +260,9 @@ def main() -> None:
                 for line in rows:
                     print(line, flush=True)
         if args.server_rounds:
-            print("\nThe Redis tier (one server, a 3-master cluster) against the server's own C client, one "
-                  "connection each:\n")
-            print("| client | entry | op | GiB/s | vs redis-benchmark's 1 MiB rate of the same op |")
+            print("\nThe Redis tier (one server; a cluster of 3 masters and 3 replicas) against the server's own C "
+                  "client on the same deployment, one connection each:\n")
+            print("| client | entry | op | GiB/s | vs redis-benchmark's 1 MiB rate of the same op on that deployment |")
             print("|---|---|---|---|---|")
             for line in server_rows(Path(tempfile.mkdtemp(dir=root)), args.server_rounds):
                 print(line, flush=True)

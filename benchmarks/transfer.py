@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvgroups import KVLayerGroupsManager
-from kvgroups.transfer import KVTransfer, pack
+from kvgroups.transfer import KVTransfer, pack, unpack
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, CHUNK = 32, 16, 8, 128, 256
 HIDDEN = NUM_KV_HEADS * HEAD_SIZE
@@ -42,12 +42,20 @@ def synchronize(device: torch.device) -> None:
 
 
 def interleaved(variants: dict[str, Action], iterations: int, device: torch.device) -> dict[str, list[float]]:
-    """Seconds per iteration of each variant, run in turn so that noise hits all alike."""
+    """Seconds per iteration of each variant, run in turn so that noise hits all alike.
+
+    The order rotates each iteration: a variant run right after a multi-threaded torch copy
+    shares the cores with torch's threads, which spin on after it for a while, and would
+    otherwise always be the one that pays for it.
+    """
     for action in variants.values():
         action(0)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for iteration in range(1, iterations + 1):
-        for name, action in variants.items():
+        shift = iteration % len(names)
+        for name in names[shift:] + names[:shift]:
+            action = variants[name]
             synchronize(device)
             begin = time.perf_counter()
             action(iteration)
@@ -165,6 +173,7 @@ def small_calls(iterations: int, device: torch.device) -> list[str]:
         "bound KVTransfer (torch)|pack": lambda i: reference.pack(slots[(i + 3) % num_blocks], out=[chunk]),
         "bound KVTransfer (torch)|unpack": lambda i: reference.unpack([chunk], slots[(i + 9) % num_blocks]),
         "module function pack()|pack": lambda i: pack(manager, caches, slots[(i + 5) % num_blocks], out=[chunk]),
+        "module function unpack()|unpack": lambda i: unpack(manager, caches, [chunk], slots[(i + 11) % num_blocks]),
     }
     times = interleaved(variants, iterations, device)
     return [f"| {key.split('|')[1]} | 16 | {key.split('|')[0]} | {statistics.median(values) * 1e3:.3f} |"

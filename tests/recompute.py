@@ -11,6 +11,7 @@ formulas are vLLM's (per tensor-parallel rank), written out again here:
     deltanet   = (K-1) * (2 Hk Dk + Hv Dv)/tp * conv_b + Hv/tp * Dk * Dv * ssm_b
     short conv = (L-1) * D/tp * conv_b
     lightning  = H/tp * d * d * state_b
+    KDA        = (K-1) * 3 * H/tp * d * conv_b + H/tp * d * d * 4 (vLLM's kda_state_dtype: a float32 recurrent state)
 
 conv_b is the model dtype (every hybrid config here is bfloat16 or names none), ssm_b the dtype
 the config names for SSM states (mamba_ssm_cache_dtype, mamba_ssm_dtype; Nemotron-H float32 when
@@ -82,7 +83,7 @@ def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[int, int]
     """(bytes per token per rank, state bytes per sequence per rank); raises NoSplitError."""
     t = config.get("text_config") or config
     kind = t.get("model_type") or config["model_type"]
-    layers = t["num_hidden_layers"]
+    layers = t.get("num_hidden_layers") or t.get("num_layers") or t.get("n_layers")  # exaone, dbrx spell it so
     conv_b, ssm_b = 2, ssm_bytes({**t, "model_type": kind})
     kv = t.get("num_key_value_heads") or t.get("num_attention_heads")
     if kind in ("deepseek_v2", "deepseek_v3"):
@@ -168,8 +169,22 @@ def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[int, int]
             else:
                 total += attention(kv, t["head_dim"], tp, kv_bytes, t["v_head_dim"])
         return total, 0
+    if kind in ("glm4_moe_lite", "minicpm3"):
+        return layers * (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * kv_bytes, 0
+    if kind == "kimi_linear":
+        linear = t["linear_attn_config"]
+        full = len(linear["full_attn_layers"])
+        kda = exact(linear["num_heads"], tp)
+        d = linear["head_dim"]
+        state = (linear["short_conv_kernel_size"] - 1) * 3 * kda * d * conv_b + kda * d * d * 4
+        return full * (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * kv_bytes, len(linear["kda_layers"]) * state
+    if kind == "dbrx":
+        return t["n_layers"] * attention(t["attn_config"]["kv_n_heads"], t["d_model"] // t["n_heads"], tp, kv_bytes), 0
+    if kind == "exaone":
+        return t["num_layers"] * attention(kv, head_dim(t), tp, kv_bytes), 0
+    # Every layer keeps K/V per token; a sliding layer's window limits how many, not the bytes each costs.
     assert kind in ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
-                    "llama4_text"), kind
+                    "llama4_text", "glm4_moe", "laguna", "exaone4", "minimax_m2", "seed_oss"), kind
     if kind in ("gemma2", "gemma3_text"):
         kv = t.get("num_key_value_heads") or 4
         return layers * attention(kv, t.get("head_dim", 256), tp, kv_bytes), 0

@@ -316,3 +316,40 @@ def test_request_salts_keys_partial_saves_and_verify() -> None:
         store.verify(None, 32, keys=salted)
     with pytest.raises(KVGroupsError, match=r"save names groups \[2\]"):
         store.save_chunk(salted[0], 0, {2: chunk_tensors(store, tokens, 0)[0]})
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_an_entry_reader_reads_each_entry_once_into_one_buffer_and_checks_it(tier: str, tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """What a vLLM worker streams: each entry read into the same buffer (a view, no copy), equal to what
+    was saved, counted once; a corrupt entry is None, counted and deleted; a missing one None."""
+    from kvgroups.store.entry_reads import EntryReader
+
+    metadata = build_metadata([("full", 0), ("recurrent", 0)])
+    url = "memory://" if tier == "memory" else f"file://{tmp_path}/kv"
+    with KVChunkStore(metadata, url) as store:
+        tokens = list(range(24))
+        keys = store.keys(tokens)
+        saved = [chunk_tensors(store, tokens, chunk) for chunk in range(3)]
+        for chunk in range(3):
+            store.save(tokens, chunk, saved[chunk], keys=keys)
+        assert store.flush(10)
+        reader = EntryReader(store)
+        buffer = reader.buffer()
+        for chunk in range(3):
+            entry = reader.read(keys[chunk], 0, chunk, buffer)
+            assert entry is not None and torch.equal(entry, saved[chunk][0])
+            view = torch.frombuffer(buffer, dtype=torch.uint8)
+            assert view.data_ptr() <= entry.data_ptr() < view.data_ptr() + len(buffer)
+        payload = saved[0][0].numel() * saved[0][0].element_size()
+        assert payload * 3 < store.stats.bytes_read[0] < payload * 3 + 3 * 1024  # once each, headers aside
+        assert reader.read(keys[2], 1, 2, buffer) is not None and reader.read(keys[0], 1, 0, buffer) is not None
+        stored = store.store.get(store.entry_key(keys[1], 0))
+        assert stored is not None
+        damaged = bytearray(stored)
+        damaged[-3] ^= 0x10
+        store.store.put(store.entry_key(keys[1], 0), bytes(damaged))
+        assert reader.read(keys[1], 0, 1, buffer) is None
+        assert store.stats.corrupt_entries == 1 and not store.store.contains(store.entry_key(keys[1], 0))
+        assert "an entry is corrupt (1 so far), deleting it" in caplog.text
+        assert reader.read(keys[1], 0, 1, buffer) is None and store.stats.corrupt_entries == 1  # now missing

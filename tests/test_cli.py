@@ -207,7 +207,7 @@ def _jamba_as(model_type: str) -> dict[str, Any]:
 # Configs that kvgroups must refuse rather than read wrong: (file contents, argv after the path, message).
 REFUSALS: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("unknown type", {**LLAMA, "model_type": "brand_new"}, [],
-     "model_type 'brand_new' is not supported; supported: bamba, "),
+     "model_type 'brand_new' is not supported; supported: afmoe, apertus, "),
     ("unknown jamba-like type", _jamba_as("jamba2"), [], "model_type 'jamba2' is not supported"),
     ("no model_type", {key: value for key, value in LLAMA.items() if key != "model_type"}, [],
      "the config has no model_type; supported: "),

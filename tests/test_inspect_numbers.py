@@ -149,3 +149,30 @@ def test_layouts_change_shapes_not_bytes() -> None:
         KVLayout.FLASHINFER_HND: ([10, 2, 8, 16, 128], 131072),
         KVLayout.KV_SPLIT: ([10, 16, 8, 128], 131072),
     }
+
+
+def test_anchors_of_the_families_the_sweep_verified() -> None:
+    """Real published configs of families verified against transformers' caches (tests/test_model_type_sweep.py),
+    worked out by hand from vLLM's formulas: 2 * kv heads * head size * 2 bytes per attention layer, the MLA
+    latent (kv_lora_rank + qk_rope_head_dim) * 2, and a KDA layer's (kernel - 1) * 3 * heads * head_dim * 2
+    conv state plus its float32 (heads, head_dim, head_dim) recurrent state."""
+    def numbers(name: str, tp: int = 1) -> tuple[int, int]:
+        totals = inspect(CONFIGS[name], tp, "bfloat16")["totals"]
+        return int(totals["bytes_per_token_per_rank"]), int(totals["state_bytes_per_sequence_per_rank"])
+
+    assert numbers("fixture:glm-4.7-fp8") == (92 * 2 * 8 * 128 * 2, 0)
+    assert numbers("fixture:glm-4.7-flash") == (47 * (512 + 64) * 2, 0)
+    assert numbers("fixture:minicpm3-4b") == (62 * (256 + 32) * 2, 0)
+    assert numbers("fixture:laguna-xs.2-fp8") == (40 * 2 * 8 * 128 * 2, 0)  # 30 of them slide over 512
+    assert numbers("fixture:dbrx-132b", 4) == (48 * 2 * 3 * (6144 // 48) * 2, 0)  # attn_config.kv_n_heads 12
+    assert numbers("fixture:exaone-7.8b") == (32 * 2 * 8 * 128 * 2, 0)  # num_layers
+    assert numbers("fixture:exaone-4.0-32b") == (64 * 2 * 8 * 128 * 2, 0)
+    assert numbers("fixture:minimax-m2") == (62 * 2 * 8 * 128 * 2, 0)
+    assert numbers("fixture:seed-oss-36b") == (64 * 2 * 8 * 128 * 2, 0)
+    assert numbers("fixture:kimi-linear-48b-a3b") == (7 * 576 * 2, 20 * (3 * 3 * 32 * 128 * 2 + 32 * 128 * 128 * 4))
+    assert numbers("fixture:kimi-k3", 8) == (24 * 576 * 2, 69 * (3 * 3 * 12 * 128 * 2 + 12 * 128 * 128 * 4))
+    # 15 layers keep a cache (the last 20 share): every 6th is full (512 wide), the others slide (256).
+    assert numbers("fixture:gemma-4-e2b") == (13 * 2 * 1 * 256 * 2 + 2 * 2 * 1 * 512 * 2, 0)
+    groups = inspect(CONFIGS["fixture:exaone-4.0-32b"], 1, "bfloat16")["groups"]
+    assert [(group["kind"], group["num_layers"]) for group in groups] == [("sliding_window", 48),
+                                                                          ("full_attention", 16)]

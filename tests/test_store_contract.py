@@ -93,6 +93,18 @@ def test_put_get_contains_delete(opener: Opener) -> None:
         assert store.stats().entries == 1
 
 
+def test_get_into_reads_into_the_callers_buffer(opener: Opener) -> None:
+    with opener(64 * MIB) as store:
+        store.put("a", b"0123456789")
+        buffer = bytearray(16)
+        value = store.get_into("a", memoryview(buffer))
+        assert value is not None and bytes(value) == b"0123456789" and bytes(buffer[:10]) == b"0123456789"
+        assert memoryview(value).obj is buffer  # a view of the buffer, whichever the tier
+        cut = store.get_into("a", memoryview(bytearray(4)))
+        assert cut is not None and len(cut) == 4  # longer than the buffer: it fills the buffer
+        assert store.get_into("missing", memoryview(buffer)) is None
+
+
 def test_batches_and_keys_that_need_escaping(opener: Opener) -> None:
     keys = ["plain", "with space", "slash/and:colon", "ünïcode", "a" * 300]
     with opener(64 * MIB) as store:

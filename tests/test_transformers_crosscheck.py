@@ -28,6 +28,7 @@ from kvgroups.models.layers import (
 )
 from kvgroups.models.state_layers import (
     GatedDeltaNetLayer,
+    KimiDeltaLayer,
     LightningAttentionLayer,
     Mamba1Layer,
     Mamba2Layer,
@@ -84,6 +85,8 @@ def ours(layer: ModelLayer) -> tuple[Any, ...]:
         return "short_conv", layer.channels, layer.conv_kernel
     if isinstance(layer, LightningAttentionLayer):
         return "lightning", layer.num_heads, layer.head_dim
+    if isinstance(layer, KimiDeltaLayer):
+        return "kimi_delta", layer.num_heads, layer.head_dim, layer.conv_kernel
     if isinstance(layer, ParallelLayer):
         return tuple(ours(mixer) for mixer in layer.mixers)
     assert isinstance(layer, NoCacheLayer)
@@ -94,6 +97,8 @@ def _attention(text: Any, index: int, kind: str) -> tuple[Any, ...]:
     per_layer = getattr(text, "per_layer_config", None)
     if per_layer is not None and text.model_type == "gemma4_text":
         kv, head = per_layer[index].num_key_value_heads, per_layer[index].head_dim
+    elif text.model_type == "dbrx":  # DbrxAttention: attn_config.kv_n_heads heads of d_model / n_heads
+        kv, head = text.attn_config.kv_n_heads, text.d_model // text.n_heads
     else:
         kv = text.num_key_value_heads
         head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -124,6 +129,7 @@ def _mixer(text: Any) -> tuple[Any, ...]:
         "zamba2": lambda: ("mamba2", t.n_mamba_heads, t.mamba_headdim, t.mamba_ngroups, t.mamba_d_state,
                            t.mamba_d_conv),
         "minimax": lambda: ("lightning", t.num_attention_heads, t.head_dim),
+        "kimi_linear": lambda: ("kimi_delta", t.linear_num_heads, t.linear_head_dim, t.linear_conv_kernel_dim),
     }
     if t.model_type in mixers:
         return mixers[t.model_type]()
@@ -157,6 +163,8 @@ def theirs(text: Any) -> list[tuple[Any, ...]]:
             layers.append(("mla+indexer" if indexers[index] == "full" else "mla", *base))
         elif kind in ("linear_attention", "mamba"):
             layers.append(_mixer(text))
+        elif text.model_type == "kimi_linear":  # its full-attention layers are MLA
+            layers.append(("mla", text.kv_lora_rank, text.qk_rope_head_dim))
         elif kind == "conv":
             layers.append(("short_conv", text.hidden_size, text.conv_L_cache))
         elif kind == "hybrid":

@@ -49,6 +49,16 @@ def _stored_keys(directory: str) -> list[str]:
     return sorted(FileStore(directory).iter_keys())
 
 
+def _keys_at(url: str) -> list[str]:
+    from kvgroups.store import open_store
+
+    try:
+        with open_store(url) as store:
+            return sorted(store.iter_keys())
+    except OSError:  # a server the job stopped
+        return []
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     if job.get("cpu_attention_kernels") == "vec":
@@ -84,6 +94,8 @@ def main() -> None:
         })
         if "store_dir" in job:
             results[-1]["store_keys"] = _stored_keys(job["store_dir"])
+        elif "store_url" in job:
+            results[-1]["store_keys"] = _keys_at(job["store_url"])
         Path(job["out"]).write_text(json.dumps(results))
 
 

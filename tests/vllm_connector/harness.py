@@ -9,6 +9,7 @@ group at a time), each layer a ``[num_blocks, num_heads, block_size, 2 * head_si
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -99,6 +100,13 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 class Step:
     output: Any  # SchedulerOutput
     metadata: KVGroupsConnectorMetadata
+    finished_loads: set[str] = field(default_factory=set)  # reported to vLLM after this step
+    failed_loads: set[str] = field(default_factory=set)
+    invalid_blocks: set[int] = field(default_factory=set)
+
+    def new(self) -> dict[str, int]:
+        """Requests scheduled for the first time this step -> their computed tokens (local + loaded)."""
+        return {new.req_id: new.num_computed_tokens for new in self.output.scheduled_new_reqs}
 
 
 @dataclass
@@ -132,10 +140,25 @@ class SchedulerHarness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> Step:
+    def step(self, worker: FakeWorker | None = None, *, before_load: Any = None) -> Step:
+        """One engine step: schedule, hand the plans to ``worker`` (loads, saves; asynchronous loads
+        run to their end within the step, ``before_load()`` first), and report what it finished."""
         output = self.scheduler.schedule()
         metadata = output.kv_connector_metadata
         assert isinstance(metadata, KVGroupsConnectorMetadata)
+        step = Step(output, metadata)
+        connector_output = None
+        if worker is not None:
+            if before_load is not None and metadata.loads:
+                before_load()
+            worker.side.load(metadata)
+            worker.side.save(metadata)
+            assert worker.side.wait_for_loads(timeout=60)
+            step.finished_loads, step.failed_loads = worker.side.finished_loads()
+            step.invalid_blocks = worker.side.take_load_errors()
+            connector_output = KVConnectorOutput(finished_recving=step.finished_loads or None,
+                                                 failed_recving=step.failed_loads,
+                                                 invalid_block_ids=step.invalid_blocks)
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in ids:
@@ -143,21 +166,36 @@ class SchedulerHarness:
             sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
         self.scheduler.update_from_output(output, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={request_id: index for index, request_id in enumerate(ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None))
-        return Step(output, metadata)
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=connector_output))
+        return step
 
     def run(self, worker: FakeWorker | None = None, max_steps: int = 50) -> list[Step]:
         """Step until every request finished, handing each step's plans to ``worker`` as an engine would."""
-        steps = []
+        steps: list[Step] = []
         while self.scheduler.has_unfinished_requests() and len(steps) < max_steps:
-            step = self.step()
-            if worker is not None:
-                worker.side.load(step.metadata)
-                worker.side.save(step.metadata)
-            steps.append(step)
+            steps.append(self.step(worker))
+            if not steps[-1].output.num_scheduled_tokens:
+                time.sleep(0.005)  # a lookup or a load runs in the background
         if worker is not None:
             worker.side.flush()
         return steps
+
+    def admit(self, worker: FakeWorker, request_id: str, *, before_load: Any = None,
+              deadline_seconds: float = 30.0) -> tuple[list[Step], int, Any]:
+        """Step until ``request_id`` is scheduled: the steps, its computed tokens then (local + loaded),
+        and its load plan (None without one). A step that schedules nothing (a lookup running in
+        the background) is followed by a short sleep."""
+        steps: list[Step] = []
+        deadline = time.monotonic() + deadline_seconds
+        while time.monotonic() < deadline:
+            steps.append(self.step(worker, before_load=before_load))
+            if request_id in steps[-1].new():
+                loads = [plan for step in steps for plan in step.metadata.loads if plan.request_id == request_id]
+                return steps, steps[-1].new()[request_id], loads[-1] if loads else None
+            if not steps[-1].output.num_scheduled_tokens:
+                time.sleep(0.005)
+        raise AssertionError(f"{request_id} was not scheduled in {deadline_seconds} s ({len(steps)} steps)")
 
 
 class FakeWorker:

@@ -89,16 +89,19 @@ def test_a_fresh_engine_reuses_every_group_byte_for_byte(gemma3_dir: Path, tmp_p
     harness, second = fresh(gemma3_dir, extra, ["sliding", "full"], layout=layout)
     harness.add("reuse", tokens)
     before = second.buffer.clone()
-    step = harness.step()
-    (new,) = step.output.scheduled_new_reqs
-    assert new.num_computed_tokens == 96  # never the last prompt token, in whole chunks
-    (load,) = step.metadata.loads
-    assert (load.num_tokens, load.local_tokens) == (96, 0)
-    assert not step.metadata.saves  # the loaded chunks are not written again; 96..100 fills none
+    steps, computed, load = harness.admit(second, "reuse")
+    assert computed == 96  # never the last prompt token, in whole chunks
+    assert (load.num_tokens, load.local_tokens, load.asynchronous) == (96, 0, True)
+    # The load runs while the request waits, then the request is scheduled: two steps.
+    assert len(steps) == 2 and steps[0].finished_loads == {"reuse"} and not steps[0].failed_loads
+    assert not any(step.metadata.saves for step in steps)  # the loaded chunks are not written again
     sliding_ids, full_ids = load.block_ids
     assert sliding_ids[:4] == (0, 0, 0, 0) and 0 not in full_ids  # out of the 32-token window: null blocks
-    second.side.load(step.metadata)
-    assert not second.side.take_load_errors()
+    # Each entry is read once, and only those the groups need: the sliding window's one chunk of 32
+    # tokens and the full layers' three (1 KiB of K/V per token per group, plus each entry's header).
+    assert second.side.store is not None
+    sliding_bytes, full_bytes = second.side.store.stats.bytes_read
+    assert 32 * 1024 < sliding_bytes < 33 * 1024 and 96 * 1024 < full_bytes < 99 * 1024
     # Full layers get all 96 tokens, sliding layers the blocks of their window; bytes exactly.
     got = token_rows(second, load.block_ids, range(96))
     want = token_rows(first, save.block_ids, range(96))
@@ -128,11 +131,8 @@ def test_mla_latents_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path
     assert first.deployment.metadata(0, first.deployment.groups, "worker").use_mla
     harness, second = fresh(gemma3_dir, extra, ["mla"], layout=layout)
     harness.add("reuse", tokens)
-    step = harness.step()
-    (load,) = step.metadata.loads
-    assert (load.num_tokens, load.local_tokens) == (128, 0)
-    second.side.load(step.metadata)
-    assert not second.side.take_load_errors()
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 128 and (load.num_tokens, load.local_tokens) == (128, 0)
     (got,), (want,) = token_rows(second, load.block_ids, range(128)), token_rows(first, save.block_ids, range(128))
     assert got.shape == (1, 2, 128, 128)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -154,13 +154,14 @@ def test_with_vllms_prefix_cache_the_store_serves_what_follows_the_local_hit(gem
     (warm,) = warm_step.output.scheduled_new_reqs
     local = token_rows(second, (tuple(warm.block_ids[0]),), range(64))
     harness.add("reuse", tokens)
-    step = harness.step()
-    (new,) = step.output.scheduled_new_reqs
-    assert new.num_computed_tokens == 128  # 64 from vLLM's cache, 64 from the store
-    (load,) = step.metadata.loads
+    store = second.side.store
+    assert store is not None
+    read_before = sum(store.stats.bytes_read)
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 128  # 64 from vLLM's cache, 64 from the store
     assert (load.num_tokens, load.local_tokens) == (128, 64)
-    second.side.load(step.metadata)
-    assert not second.side.take_load_errors()
+    # Only the chunks past vLLM's own hit are read: 2 of 4 (1 KiB per token, plus the entries' headers).
+    assert 64 * 1024 < sum(store.stats.bytes_read) - read_before < 66 * 1024
     (got,), (want,) = token_rows(second, load.block_ids, range(128)), token_rows(first, save.block_ids, range(128))
     assert torch.equal(got[:, :, 64:].view(torch.uint8), want[:, :, 64:].view(torch.uint8))
     # The locally cached tokens are vLLM's, left as they were (here they differ from the store's).
@@ -168,40 +169,89 @@ def test_with_vllms_prefix_cache_the_store_serves_what_follows_the_local_hit(gem
     assert not torch.equal(got[:, :, :64], want[:, :, :64])
 
 
-def test_a_corrupt_entry_shortens_the_hit_to_what_every_group_can_serve(gemma3_dir: Path, tmp_path: Path) -> None:
+def flip_payload_bit(tmp_path: Path, key: str) -> None:
+    path = Path(FileStore(f"{tmp_path}/kv")._path(key))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one flipped bit in the payload
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_entry_found_by_the_load_recomputes_the_request_once(gemma3_dir: Path, tmp_path: Path) -> None:
+    """The scheduler promises a hit from existence alone; the worker finds the entry corrupt: the request
+    is reported failed (two vLLM groups: request-level), recomputed from 0 without the store being
+    offered again, and its recomputed chunks replace the deleted entry."""
     tokens = prompt(100)
     extra = file_store(tmp_path)
     first, _ = fill(gemma3_dir, extra, ["sliding", "full"], tokens)
     store = first.side.store
     assert store is not None
-    keys = store.keys(tokens)
     full_group = first.side.engine_groups[1].members[0]
-    path = Path(FileStore(f"{tmp_path}/kv")._path(store.entry_key(keys[2], full_group)))
-    data = bytearray(path.read_bytes())
-    data[-5] ^= 0x40  # one flipped bit in the payload
-    path.write_bytes(bytes(data))
+    corrupt_key = store.entry_key(store.keys(tokens)[2], full_group)
+    flip_payload_bit(tmp_path, corrupt_key)
     harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
     harness.add("reuse", tokens)
-    step = harness.step()
-    # Chunk 2 of the full layers is unreadable: at 64 tokens the full group has chunks 0-1 and the
-    # sliding group its window (chunk 1), so 64 is served.
-    assert step.output.scheduled_new_reqs[0].num_computed_tokens == 64
-    second.side.load(step.metadata)
-    assert not second.side.take_load_errors()
+    steps, computed, load = harness.admit(second, "reuse")
+    assert load.num_tokens == 96 and load.asynchronous
+    assert steps[0].finished_loads == steps[0].failed_loads == {"reuse"}
+    assert computed == 0 and steps[-1].output.num_scheduled_tokens["reuse"] == 100
+    assert second.side.store is not None and second.side.store.stats.corrupt_entries == 1
+    steps += harness.run(second)
+    assert [plan.request_id for step in steps for plan in step.metadata.loads] == ["reuse"]  # never offered again
+    assert not harness.scheduler.requests  # finished, its blocks freed
+    assert FileStore(f"{tmp_path}/kv").contains(corrupt_key)  # saved again by the recompute
+
+
+def test_a_synchronous_load_of_one_group_reports_its_blocks(gemma3_dir: Path, tmp_path: Path) -> None:
+    """load_mode 'sync' on a model of one vLLM group: loaded before the forward of the step that schedules
+    it; an entry gone by then reports the request's blocks and vLLM recomputes them."""
+    tokens = prompt(100)
+    extra = file_store(tmp_path, load_mode="sync")
+    fill(gemma3_dir, extra, ["full"], tokens)
+    harness, second = fresh(gemma3_dir, extra, ["full"])
+    harness.add("served", tokens)
+    steps, computed, load = harness.admit(second, "served")
+    assert len(steps) == 1 and computed == 96 and not load.asynchronous and not steps[0].invalid_blocks
+    harness.add("evicted", tokens)
+    steps, computed, load = harness.admit(second, "evicted",
+                                          before_load=lambda: FileStore(f"{tmp_path}/kv").clear())
+    assert computed == 96 and not load.asynchronous
+    (full_ids,) = load.block_ids
+    assert steps[-1].invalid_blocks == set(full_ids[:6])
+    request = harness.scheduler.requests["evicted"]
+    assert request.num_computed_tokens == 0  # vLLM recomputes from the first failed block
+    harness.run(second)
+    assert not harness.scheduler.requests
+
+
+def test_sync_mode_loads_a_model_of_several_groups_asynchronously(gemma3_dir: Path, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM raises on block-level load errors of a model with several KV-cache groups: there, 'sync'
+    falls back to asynchronous loads, whose failures are per request, and says so at start-up."""
+    tokens = prompt(100)
+    extra = file_store(tmp_path, load_mode="sync")
+    fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
+    assert "load_mode 'sync' is not safe for this model's 2 KV-cache groups" in caplog.text
+    harness.add("evicted", tokens)
+    steps, computed, load = harness.admit(second, "evicted",
+                                          before_load=lambda: FileStore(f"{tmp_path}/kv").clear())
+    assert load.asynchronous and steps[0].failed_loads == {"evicted"} and not steps[0].invalid_blocks
+    assert computed == 0
+    harness.run(second)
+    assert not harness.scheduler.requests
 
 
 def test_other_salts_never_hit(gemma3_dir: Path, tmp_path: Path) -> None:
     tokens = prompt(100)
     fill(gemma3_dir, file_store(tmp_path, salt="tenant-a"), ["sliding", "full"], tokens)
-    harness, _ = fresh(gemma3_dir, file_store(tmp_path, salt="tenant-b"), ["sliding", "full"])
+    harness, second = fresh(gemma3_dir, file_store(tmp_path, salt="tenant-b"), ["sliding", "full"])
     harness.add("other-tenant", tokens)
-    assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 0
-    harness, _ = fresh(gemma3_dir, file_store(tmp_path, salt="tenant-a"), ["sliding", "full"])
+    assert harness.admit(second, "other-tenant")[1] == 0
+    harness, second = fresh(gemma3_dir, file_store(tmp_path, salt="tenant-a"), ["sliding", "full"])
     harness.add("other-cache-salt", tokens, cache_salt="user-7")
     harness.add("same", tokens)
-    step = harness.step()
-    assert {new.req_id: new.num_computed_tokens for new in step.output.scheduled_new_reqs} == {
-        "other-cache-salt": 0, "same": 96}
+    assert harness.admit(second, "other-cache-salt")[1] == 0
+    assert harness.admit(second, "same")[1] == 96
 
 
 def test_a_stopped_server_costs_misses_never_errors(gemma3_dir: Path, tmp_path: Path) -> None:
@@ -209,30 +259,26 @@ def test_a_stopped_server_costs_misses_never_errors(gemma3_dir: Path, tmp_path: 
     with running_server(tmp_path) as server:
         extra = {"store": server.url, "chunk_size": CHUNK}
         fill(gemma3_dir, extra, ["sliding", "full"], tokens)
-        harness, _ = fresh(gemma3_dir, extra, ["sliding", "full"])
+        harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
         harness.add("served", tokens)
-        assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 96
+        assert harness.admit(second, "served")[1] == 96
         server.stop()
         harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
         harness.add("down", tokens)
-        steps = harness.run(second)
-        assert steps[0].output.scheduled_new_reqs[0].num_computed_tokens == 0
-        assert not steps[0].metadata.loads
+        _, computed, load = harness.admit(second, "down")
+        assert computed == 0 and load is None
 
 
-def test_entries_gone_between_lookup_and_load_are_reported_for_recompute(gemma3_dir: Path, tmp_path: Path) -> None:
+def test_entries_gone_between_lookup_and_load_recompute_the_request(gemma3_dir: Path, tmp_path: Path) -> None:
     tokens = prompt(100)
     extra = file_store(tmp_path)
     fill(gemma3_dir, extra, ["sliding", "full"], tokens)
     harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
     harness.add("reuse", tokens)
-    step = harness.step()
-    (load,) = step.metadata.loads
-    FileStore(f"{tmp_path}/kv").clear()  # another process evicted everything meanwhile
-    second.side.load(step.metadata)
-    sliding_ids, full_ids = load.block_ids
-    assert second.side.take_load_errors() == {block for block in sliding_ids[:6] + full_ids[:6] if block}
-    assert second.side.take_load_errors() == set()
+    # Another process evicts everything after the lookup, before the worker reads.
+    steps, computed, _ = harness.admit(second, "reuse", before_load=lambda: FileStore(f"{tmp_path}/kv").clear())
+    assert steps[0].failed_loads == {"reuse"} and computed == 0
+    assert second.side.finished_loads() == (set(), set())  # reported once
 
 
 def test_chunked_prefill_saves_each_chunk_in_the_step_that_completes_it(gemma3_dir: Path, tmp_path: Path) -> None:
@@ -240,9 +286,9 @@ def test_chunked_prefill_saves_each_chunk_in_the_step_that_completes_it(gemma3_d
     extra = file_store(tmp_path)
     _, steps = fill(gemma3_dir, extra, ["sliding", "full"], tokens, max_batched=CHUNK)
     assert [save.chunks for step in steps for save in step.metadata.saves] == [(0,), (1,), (2,)]
-    harness, _ = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
     harness.add("reuse", tokens)
-    assert harness.step().output.scheduled_new_reqs[0].num_computed_tokens == 96
+    assert harness.admit(second, "reuse")[1] == 96
 
 
 def write_states(worker: FakeWorker, block_ids: tuple[tuple[int, ...], ...], value: int) -> None:
@@ -271,10 +317,8 @@ def test_mamba_states_are_saved_at_step_ends_on_chunk_boundaries_and_restored(ge
     first.side.flush()
     harness, second = fresh(gemma3_dir, extra, ["mamba", "full"])
     harness.add("reuse", tokens)
-    step = harness.step()
-    assert step.output.scheduled_new_reqs[0].num_computed_tokens == 96
-    second.side.load(step.metadata)
-    (load,) = step.metadata.loads
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 96
     state_block = load.block_ids[0][0]
     content = sum(torch.Size(shape).numel() for shape in STATE_SHAPES) * DTYPE.itemsize
     for name in second.side.engine_groups[0].layer_names:
@@ -304,14 +348,14 @@ def test_a_request_can_opt_out_of_loading_or_saving(gemma3_dir: Path, tmp_path: 
     tokens = prompt(100)
     extra = file_store(tmp_path)
     fill(gemma3_dir, extra, ["sliding", "full"], tokens)
-    harness, _ = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
     harness.add("no-load", tokens, kv_transfer_params={"kvgroups": {"load": False}})
     harness.add("no-save", prompt(100, seed=9), kv_transfer_params={"kvgroups": {"save": False}})
     harness.add("bad-options", tokens, kv_transfer_params={"kvgroups": {"load": "no"}})
-    step = harness.step()
-    assert {new.req_id: new.num_computed_tokens for new in step.output.scheduled_new_reqs} == {
-        "no-load": 0, "no-save": 0, "bad-options": 96}
-    assert {save.request_id for save in step.metadata.saves} == {"no-load"}
+    steps = harness.run(second)
+    admitted = {request_id: computed for step in steps for request_id, computed in step.new().items()}
+    assert admitted == {"no-load": 0, "no-save": 0, "bad-options": 96}
+    assert {save.request_id for step in steps for save in step.metadata.saves} == {"no-load"}
     assert "must be {'load': bool, 'save': bool}" in caplog.text
 
 
@@ -407,9 +451,8 @@ def test_a_secret_seals_every_entry_and_saves_hold_bounded_host_memory(gemma3_di
     assert first.side.host_buffers.held_bytes > 0  # the saves went through the host pool
     harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
     harness.add("reuse", tokens)
-    step = harness.step()
-    (load,) = step.metadata.loads
-    second.side.load(step.metadata)
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 96
     got = token_rows(second, load.block_ids, range(64, 96))
     want = token_rows(first, save.block_ids, range(64, 96))
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgroups.core.dtypes import dtype_from_name
-from kvgroups.store import FileStore
+from kvgroups.store import FileStore, open_store
 from kvgroups.store.codec import EntryInfo, decode_entry, encode_entry, read_header
 from tests.servers import running_server
 from tests.vllm_connector.tiny_vllm_models import save_model
@@ -35,7 +35,8 @@ def run_engines(job: dict[str, Any], tmp_path: Path, name: str, *, multiprocess:
     job_path = tmp_path / f"{name}-job.json"
     job_path.write_text(json.dumps(job))
     environment = {
-        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
+        # This checkout's source first, whatever kvgroups the environment has installed.
+        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         # Lets the runner ask the workers to finish their queued saves (a test-only RPC).
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
@@ -81,6 +82,14 @@ def flip_a_byte(store_dir: Path, key: str) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_a_stored_byte(url: str, key: str) -> None:
+    with open_store(url) as store:
+        value = bytearray(store.get(key) or b"")
+        assert value
+        value[len(value) // 2] ^= 0x01
+        store.put(key, bytes(value))
+
+
 def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp_path: Path) -> None:
     model = str(save_model("llama", tmp_path / "llama"))
     store_dir = tmp_path / "kv"
@@ -112,9 +121,20 @@ def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp
         {"requests": requests(z)},
     ]}, tmp_path, "second", multiprocess=False)
     assert cached(second[0]) == [256] and outputs(second[0]) == expected["x"]  # tokens and logprobs, exactly
-    assert cached(second[1]) == [0] and outputs(second[1]) == expected["y"]  # a flipped byte: no hit
+    # A flipped byte: the lookup promised the hit (entries exist), the worker's load found the entry
+    # corrupt, vLLM recomputed the request (cached back to 0), with the same output.
+    assert cached(second[1]) == [0] and outputs(second[1]) == expected["y"]
     assert cached(second[2]) == [0] and outputs(second[2]) == expected["x"]  # another cache salt
     assert cached(second[3]) == [256] and outputs(second[3]) != expected["z"]  # the loaded KV is what is used
+    # Synchronous loads (a one-group model): a hit, and an entry damaged again; vLLM recomputes its
+    # blocks (it still counts them as cached: it sets that at admission).
+    assert y_first_chunk in second[1]["store_keys"]  # the recompute saved it again
+    flip_a_byte(store_dir, y_first_chunk)
+    synchronous = run_engines({**job, "connector": {**connector, "load_mode": "sync"}, "phases": [
+        {"requests": requests(x)}, {"requests": requests(y)},
+    ]}, tmp_path, "sync", multiprocess=False)
+    assert cached(synchronous[0]) == [256] and outputs(synchronous[0]) == expected["x"]
+    assert outputs(synchronous[1]) == expected["y"]
     other = run_engines({**job, "connector": {**connector, "salt": "deployment-b"}, "phases": [
         {"requests": requests(x)},
     ]}, tmp_path, "other-salt", multiprocess=False)
@@ -122,24 +142,32 @@ def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp
 
 
 def test_gemma3_sliding_and_full_groups_reuse_redis_in_multiprocess_engines(tmp_path: Path) -> None:
+    """Two vLLM KV-cache groups: loads are asynchronous, and a load that fails (an entry damaged after the
+    lookup could see it) is reported per request, which vLLM recomputes."""
     model = str(save_model("gemma3", tmp_path / "gemma3"))
-    x, y = prompt(3), prompt(4)
+    x, y, w = prompt(3), prompt(4), prompt(6)
     with running_server(tmp_path) as server:
         connector = {"store": server.url, "chunk_size": CHUNK}
         baseline = run_engines({"model": model, "connector": None, "phases": [
-            {"requests": requests(x)}, {"requests": requests(y)},
+            {"requests": requests(x)}, {"requests": requests(y)}, {"requests": requests(w)},
         ]}, tmp_path, "baseline", multiprocess=True)
-        first = run_engines({"model": model, "connector": connector, "phases": [
-            {"requests": requests(x)}, {"requests": requests(y)},
+        first = run_engines({"model": model, "connector": connector, "store_url": server.url, "phases": [
+            {"requests": requests(x)}, {"requests": requests(y)}, {"requests": requests(w)},
         ]}, tmp_path, "first", multiprocess=True)
         assert cached(first[0]) == [0] and outputs(first[0]) == outputs(baseline[0])
+        w_keys = sorted(set(first[2]["store_keys"]) - set(first[1]["store_keys"]))
+        assert len(w_keys) == 8  # 4 chunks x 2 groups
+        for key in w_keys:
+            flip_a_stored_byte(server.url, key)
         second = run_engines({"model": model, "connector": connector, "phases": [
             {"requests": requests(x)},
+            {"requests": requests(w)},
             # The server dies mid-run: the engine goes on, with misses.
             {"requests": requests(y), "before": {"stop_pid": server.process.pid}},
         ]}, tmp_path, "second", multiprocess=True)
     assert cached(second[0]) == [256] and outputs(second[0]) == outputs(baseline[0])
-    assert cached(second[1]) == [0] and outputs(second[1]) == outputs(baseline[1])
+    assert cached(second[1]) == [0] and outputs(second[1]) == outputs(baseline[2])  # recomputed
+    assert cached(second[2]) == [0] and outputs(second[2]) == outputs(baseline[1])
 
 
 def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path) -> None:
@@ -157,14 +185,17 @@ def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path
     job = {"model": model, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32", "cpu_attention_kernels": "vec",
            "max_num_batched_tokens": 288, "store_dir": str(store_dir),
            "connector": {"store": f"file://{store_dir}", "chunk_size": 288}}
-    x = prompt(5, length=700)  # a hit covers 576 tokens: two chunks
-    phases = [{"requests": requests(x)}]
+    x, v = prompt(5, length=700), prompt(7, length=700)  # a hit covers 576 tokens: two chunks
+    phases = [{"requests": requests(x)}, {"requests": requests(v)}]
     baseline = run_engines({**job, "connector": None, "phases": phases}, tmp_path, "baseline", multiprocess=False)
     first = run_engines({**job, "phases": phases}, tmp_path, "first", multiprocess=False)
     assert cached(first[0]) == [0] and outputs(first[0]) == outputs(baseline[0])
     assert len(first[0]["store_keys"]) == 4  # 2 chunks x (state group, attention group)
+    # One of v's entries damaged: its load fails, vLLM recomputes the request (states and attention alike).
+    flip_a_byte(store_dir, sorted(set(first[1]["store_keys"]) - set(first[0]["store_keys"]))[0])
     second = run_engines({**job, "phases": phases}, tmp_path, "second", multiprocess=False)
     assert cached(second[0]) == [576] and outputs(second[0]) == outputs(baseline[0])
+    assert cached(second[1]) == [0] and outputs(second[1]) == outputs(baseline[1])
     # Noise in the states alone changes the output: the restored state is what the layers continue from.
     store = FileStore(store_dir)
     states = [key for key in first[0]["store_keys"]
@@ -172,5 +203,5 @@ def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path
     assert len(states) == 2
     for key in states:
         add_noise(store_dir, key)
-    third = run_engines({**job, "phases": phases}, tmp_path, "third", multiprocess=False)
+    third = run_engines({**job, "phases": phases[:1]}, tmp_path, "third", multiprocess=False)
     assert cached(third[0]) == [576] and outputs(third[0]) != outputs(baseline[0])

@@ -8,8 +8,10 @@ Importing this module imports numba; the data path does so only when the kernel 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numba
@@ -32,9 +34,26 @@ from kvgroups.datapath.slots import CallSlots
 PARALLEL_MIN_BYTES = 4 * MIB
 # From this many bytes on, pack writes its chunk with stores that bypass the cache (unpack always does).
 STREAMING_MIN_BYTES = 4 * MIB
-# numba's default threading layer (workqueue) must not run two parallel regions at once.
+# numba's workqueue threading layer must not run two parallel regions at once.
 _PARALLEL_LOCK = threading.Lock()
 _LOCKSTEP_MAX_BYTES = 8192  # runs up to this long are copied four at a time
+
+
+@contextlib.contextmanager
+def _parallel_region() -> Iterator[None]:
+    """One parallel kernel at a time, leaving torch's thread count as the caller set it.
+
+    numba's OpenMP threading layer shares libgomp with torch: launching a parallel kernel sets the
+    calling thread's OpenMP thread count, which is the one torch reads, so a caller that pinned torch
+    to one thread would find its ops on every core afterwards.
+    """
+    torch_threads = torch.get_num_threads()
+    with _PARALLEL_LOCK:
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
 
 
 @njit(nogil=True, cache=True)
@@ -205,7 +224,7 @@ class NumbaTokenCopier:
                          table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride, scatter,
                          streaming)
             if parallel:
-                with _PARALLEL_LOCK:
+                with _parallel_region():
                     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
                     _copy_tokens_parallel(*arguments)
             else:
@@ -243,7 +262,7 @@ def warm_up() -> None:
     for streaming in (False, STREAMING_STORES):
         _copy_tokens_serial(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                             streaming)
-        with _PARALLEL_LOCK:
+        with _parallel_region():
             _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                                   streaming)
     if not np.array_equal(source, target):

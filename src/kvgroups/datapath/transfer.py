@@ -7,7 +7,8 @@ num_layers, num_tokens, hidden_dim_size]`` tensor, exactly ``metadata.get_shapes
 ``get_dtypes()``; ``unpack`` scatters such tensors back. Recurrent-state groups are not
 token-indexed: they move by state slot (one per sequence), ``[1, num_layers, num_states,
 state_elements]``, through ``state_indices``. The module functions :func:`pack` / :func:`unpack`
-bind for one call.
+bind on their first call and keep the binding on the groups for the next calls on the same,
+unchanged caches (:mod:`~kvgroups.datapath.bindings`).
 
 Everything a call is given (slots, state indices, chunks) is checked before the first copy.
 """
@@ -24,6 +25,7 @@ from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.group_keys import Tensors, check_layer
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.manager import KVLayerGroupsManager
+from kvgroups.datapath.bindings import bound_transfer
 from kvgroups.datapath.buffers import ChunkPool
 from kvgroups.datapath.kernels import Copier, choose_kernel, state_copier, token_copier
 from kvgroups.datapath.slots import CallSlots
@@ -281,9 +283,9 @@ def pack(
     state_indices: StateIndices = None,
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """:meth:`KVTransfer.pack` for one call: bind ``groups`` to ``kv_caches``, then gather."""
-    return KVTransfer(groups, kv_caches).pack(slot_mapping, start=start, end=end, state_indices=state_indices,
-                                              out=out)
+    """:meth:`KVTransfer.pack` on ``groups`` bound to ``kv_caches`` (bound again only when they changed)."""
+    transfer = bound_transfer(_group_list(groups), kv_caches, KVTransfer)
+    return transfer.pack(slot_mapping, start=start, end=end, state_indices=state_indices, out=out)
 
 
 def unpack(
@@ -296,5 +298,6 @@ def unpack(
     end: int | None = None,
     state_indices: StateIndices = None,
 ) -> None:
-    """:meth:`KVTransfer.unpack` for one call: bind ``groups`` to ``kv_caches``, then scatter."""
-    KVTransfer(groups, kv_caches).unpack(chunks, slot_mapping, start=start, end=end, state_indices=state_indices)
+    """:meth:`KVTransfer.unpack` on ``groups`` bound to ``kv_caches`` (bound again only when they changed)."""
+    transfer = bound_transfer(_group_list(groups), kv_caches, KVTransfer)
+    transfer.unpack(chunks, slot_mapping, start=start, end=end, state_indices=state_indices)

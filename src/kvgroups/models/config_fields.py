@@ -12,6 +12,7 @@ guessed at (:func:`unread_cache_fields`). Adding a family touches only its own r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from kvgroups.core.cache_specs import ChunkedLocal, FullAttention, LayerCacheSpec, SlidingWindow
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import ModelConfigError
-from kvgroups.models.layers import AttentionLayer, ModelLayer
+from kvgroups.models.layers import AttentionLayer, ModelLayer, NoCacheLayer
 
 GENERIC_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 # Where configs name their SSM states' dtype (mamba2 hybrids; Qwen3-Next and Qwen3.5), first found wins.
@@ -66,7 +67,12 @@ class ConfigFields:
             self.warnings.append(message)
 
     def get(self, name: str, fallback: Any = None) -> Any:
-        value = self.data.get(name)
+        """A field by its usual name; a family that spells it otherwise (GPT-2's ``n_layer``, a
+        decoder's ``decoder_layers``) names its own spelling in ``aliases``, which wins."""
+        alias = self.family.aliases.get(name)
+        value = self.data.get(alias) if alias is not None else None
+        if value is None:
+            value = self.data.get(name)
         if value is None:
             value = self.defaults.get(name, fallback)
         return value
@@ -177,6 +183,7 @@ class Family:
     layer_types: Mapping[str, LayerReader] = field(default_factory=dict)
     reads_layer_types: bool = True
     reads: frozenset[str] = frozenset()  # fields that change the cache and that ``read`` understands
+    aliases: Mapping[str, str] = field(default_factory=dict)  # usual field name -> this family's spelling
 
     @property
     def ssm_dtype_fields(self) -> tuple[str, ...]:
@@ -187,8 +194,8 @@ class Family:
     def layers(self, config: ConfigFields) -> list[ModelLayer]:
         layer_types = config.data.get("layer_types")
         if self.reads_layer_types and isinstance(layer_types, list):
-            return self.from_layer_types(config, layer_types)
-        return self.read(config)
+            return _per_layer(config, self.from_layer_types(config, layer_types))
+        return _per_layer(config, self.read(config))
 
     def from_layer_types(self, config: ConfigFields, layer_types: Sequence[Any]) -> list[ModelLayer]:
         """Layers from a ``layer_types`` list (gpt-oss, gemma, qwen3-next, ministral, ...)."""
@@ -210,17 +217,50 @@ class Family:
         return layers
 
 
+# What a ``per_layer_config`` entry may override (transformers' heterogeneous configs, Gemma 4's full
+# layers); anything else there that changes the cache is refused.
+_PER_LAYER_FIELDS = {"head_dim": "head_size", "num_key_value_heads": "num_kv_heads"}
+
+
+def _per_layer(config: ConfigFields, layers: list[ModelLayer]) -> list[ModelLayer]:
+    """``layers`` with the attention overrides of the config's ``per_layer_config`` (keyed by layer index)."""
+    overrides = config.data.get("per_layer_config")
+    if not overrides:
+        return layers
+    if not isinstance(overrides, Mapping):
+        raise ModelConfigError(f"per_layer_config must map layer indices to fields, got {overrides!r}")
+    layers = list(layers)
+    for key, fields in overrides.items():
+        index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
+        if not 0 <= index < len(layers) or not isinstance(fields, Mapping):
+            raise ModelConfigError(f"per_layer_config entry {key!r}: expected a layer index below {len(layers)} "
+                                   f"mapped to fields, got {fields!r}")
+        unread = sorted(name for name in fields if name not in _PER_LAYER_FIELDS and changes_the_cache(name))
+        changes = {_PER_LAYER_FIELDS[name]: value for name, value in fields.items() if name in _PER_LAYER_FIELDS}
+        if unread:
+            raise ModelConfigError(f"per_layer_config[{key!r}] sets {unread}, which change what layer {index} caches "
+                                   f"and are not read; refusing to guess")
+        layer = layers[index]
+        if not changes or isinstance(layer, NoCacheLayer):  # a layer sharing another's KV keeps none of its own
+            continue
+        if not isinstance(layer, AttentionLayer) or not all(is_int_at_least(value, 1) for value in changes.values()):
+            raise ModelConfigError(f"per_layer_config[{key!r}] sets {sorted(fields)} on layer {index}, which is "
+                                   f"{layer.summary}; expected positive ints on an attention layer")
+        layers[index] = dataclasses.replace(layer, **changes)
+    return layers
+
+
 FAMILIES: dict[str, Family] = {}
 
 
 def family(
     *model_types: str, defaults: Mapping[str, Any] | None = None,
     layer_types: Mapping[str, LayerReader] | None = None, reads_layer_types: bool = True,
-    reads: Iterable[str] = (),
+    reads: Iterable[str] = (), aliases: Mapping[str, str] | None = None,
 ) -> Callable[[Reader], Reader]:
     def register(read: Reader) -> Reader:
         family = Family(read=read, defaults=defaults or {}, layer_types=layer_types or {},
-                        reads_layer_types=reads_layer_types, reads=frozenset(reads))
+                        reads_layer_types=reads_layer_types, reads=frozenset(reads), aliases=aliases or {})
         for model_type in model_types:
             FAMILIES[model_type] = family
         return read

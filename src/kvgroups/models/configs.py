@@ -24,6 +24,7 @@ from kvgroups.models.config_fields import (
     unread_cache_fields,
 )
 from kvgroups.models.layers import ModelSpec
+from kvgroups.models.transformers_types import inspect_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ def _family(inner: Mapping[str, Any], config: Mapping[str, Any], assume: str | N
                 warnings.append(f"--assume {assume} ignored: model_type {candidate!r} is supported")
             return model_type, FAMILIES[candidate], candidate
     named = f"model_type {model_type!r} is not supported" if model_type else "the config has no model_type"
+    refusal = inspect_refusal(model_type) if model_type else None
+    if refusal is not None:  # found by the sweep over transformers' model types
+        named = f"{named} ({refusal})"
     if assume is None:
         raise ModelConfigError(
             f"{named}; supported: {', '.join(supported_model_types())}; --assume MODEL_TYPE reads it as one of "

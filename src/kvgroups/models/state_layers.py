@@ -10,6 +10,7 @@ cache, as vLLM's mamba spec holds them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvgroups.errors import ModelConfigError
@@ -139,3 +140,24 @@ class LightningAttentionLayer:
     def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
         heads = split_exactly(self.num_heads, tp, "num_attention_heads", layer_index)
         return (state_part((heads, self.head_dim, self.head_dim), CacheRole.STATE, "lightning", "state"),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KimiDeltaLayer:
+    """Kimi Delta Attention (Kimi-Linear, Bailing's hybrid): the q, k and v short convolutions as one conv
+    state ``(3 * heads * head_dim, kernel - 1)`` and a ``(heads, head_dim, head_dim)`` recurrent state
+    kept in float32 whatever the model dtype (vLLM's ``kda_state_dtype``; transformers stores it so too)."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+
+    @property
+    def summary(self) -> str:
+        return "kimi_delta"
+
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        heads = split_exactly(self.num_heads, tp, "linear_num_heads", layer_index)
+        conv = state_part((3 * heads * self.head_dim, self.conv_kernel - 1), CacheRole.CONV_STATE, "kda", "conv")
+        state = state_part((heads, self.head_dim, self.head_dim), CacheRole.SSM_STATE, "kda", "state")
+        return conv, dataclasses.replace(state, fixed_dtype="float32")

@@ -139,6 +139,20 @@ class ByteStore(abc.ABC):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains(key) for key in keys]
 
+    def get_into(self, key: str, buffer: memoryview) -> Stored | None:
+        """The value under ``key`` read into ``buffer`` (a writable byte view), as a view of the part it
+        fills; None when absent. At most ``buffer.nbytes`` bytes are read: a value that fills the
+        buffer may be longer, so a caller sizes it one byte past the longest value it accepts. Tiers
+        that can read straight into the buffer do (files); the others copy into it.
+        """
+        value = self.get(key, buffer.nbytes - 1)
+        if value is None:
+            return None
+        view = memoryview(value).cast("B")
+        count = min(view.nbytes, buffer.nbytes)
+        buffer[:count] = view[:count]
+        return buffer[:count]
+
     def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         """The first ``num_bytes`` bytes of a value (an entry's header), None when absent."""
         value = self.get(key, num_bytes)

@@ -171,15 +171,28 @@ def decode_entry(data: bytes | bytearray | memoryview, expected: EntryInfo | Non
     Returns a tensor of its own memory. Raises :class:`CorruptEntryError`, and nothing else, for
     any value that is not such an entry: every field that differs is listed.
     """
+    return _checked(data, expected, secret, copy=True)
+
+
+def view_entry(data: bytes | bytearray | memoryview, expected: EntryInfo | None = None, *,
+               secret: StoreSecret | None = None) -> torch.Tensor:
+    """:func:`decode_entry` without the copy: the tensor is a view of ``data`` (a writable buffer, which
+    the caller reuses only once it is done with the tensor), except for encrypted entries, whose
+    plaintext is new memory. Checked exactly as :func:`decode_entry` checks."""
+    return _checked(data, expected, secret, copy=False)
+
+
+def _checked(data: bytes | bytearray | memoryview, expected: EntryInfo | None, secret: StoreSecret | None,
+             copy: bool) -> torch.Tensor:
     try:
-        return _decode(memoryview(data).cast("B"), expected, secret)
+        return _decode(memoryview(data).cast("B"), expected, secret, copy)
     except CorruptEntryError:
         raise
     except Exception as error:  # hostile bytes can make any parser or library call fail
         raise CorruptEntryError(f"entry does not decode: {type(error).__name__}: {error}") from None
 
 
-def _decode(view: memoryview, expected: EntryInfo | None, secret: StoreSecret | None) -> torch.Tensor:
+def _decode(view: memoryview, expected: EntryInfo | None, secret: StoreSecret | None, copy: bool) -> torch.Tensor:
     if expected is not None and view.nbytes > expected.max_entry_bytes:
         raise CorruptEntryError(f"value of {view.nbytes} bytes is larger than any entry of {expected.key!r} "
                                 f"({expected.max_entry_bytes})")
@@ -220,6 +233,9 @@ def _decode(view: memoryview, expected: EntryInfo | None, secret: StoreSecret | 
             if plaintext is None:
                 raise CorruptEntryError("entry does not decrypt: written without this secret, or changed since")
             return torch.frombuffer(bytearray(plaintext), dtype=torch.uint8).view(dtype).reshape(shape)
+    if not copy:
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape) if payload.nbytes else \
+            torch.empty(shape, dtype=dtype)
     tensor = torch.empty(shape, dtype=dtype)
     _bytes_of(tensor)[:] = payload
     return tensor

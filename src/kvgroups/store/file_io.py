@@ -29,8 +29,18 @@ def write_all(descriptor: int, parts: list[Value]) -> None:
             views[0] = views[0][written:]
 
 
-def read_exactly(descriptor: int, count: int, offset: int) -> bytes:
-    """``count`` bytes at ``offset``; raises OSError when the file ends first."""
+def read_exactly(descriptor: int, count: int, offset: int, into: memoryview | None = None) -> bytes | memoryview:
+    """``count`` bytes at ``offset`` (with ``into``: at most its size, read into it, and a view of what was
+    read); raises OSError when the file ends first."""
+    if into is not None:
+        target = into[:min(count, into.nbytes)]
+        done = 0
+        while done < target.nbytes:
+            read = os.preadv(descriptor, [target[done:]], offset + done)
+            if not read:
+                raise OSError(f"file ended {target.nbytes - done} bytes early")
+            done += read
+        return target
     data = os.pread(descriptor, count, offset)
     if len(data) == count:
         return data

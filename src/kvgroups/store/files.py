@@ -69,7 +69,7 @@ class FileStore(ByteStore):
     """Entries as files under ``directory``, at most ``max_bytes`` of them (files included).
 
     ``max_bytes`` None is :func:`default_budget`. ``create`` False opens only a store that exists
-    (inspection: stats, verify, clear never create one).
+    (inspection: stats, verify, clear never create one). ``get_into`` reads straight into the buffer.
     """
 
     tier_name = "file"
@@ -121,8 +121,7 @@ class FileStore(ByteStore):
         return digest[:2], f"{digest[2:]}{_SUFFIX}"
 
     def _path(self, key: str) -> str:
-        shard, name = self._names(key)
-        return f"{self._root}/{shard}/{name}"
+        return "/".join((self._root, *self._names(key)))
 
     def _shard(self, shard: str, create: bool) -> int | None:
         """A descriptor of shard directory ``shard`` (never through a symlink); None when absent."""
@@ -189,8 +188,7 @@ class FileStore(ByteStore):
             raise StoreError(f"{self._root}/{shard} vanished while writing")
         temporary = f"{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
         try:
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600,
-                                 dir_fd=directory)
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=directory)
             try:
                 os.fchmod(descriptor, 0o600)  # whatever the umask
                 write_all(descriptor, [header, value])
@@ -202,7 +200,7 @@ class FileStore(ByteStore):
                 os.unlink(temporary, dir_fd=directory)
             raise
 
-    def _read(self, key: str, limit: int | None) -> Stored | None:
+    def _read(self, key: str, limit: int | None, into: memoryview | None = None) -> Stored | None:
         shard, name = self._names(key)
         header = self._header(key)
         directory = self._shard(shard, create=False)
@@ -227,14 +225,13 @@ class FileStore(ByteStore):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=directory)
                 return None
-            # One read of at most the value's size: no buffer to grow, no copy to join.
-            value = read_exactly(descriptor, size if limit is None else min(limit, size), len(header))
+            # One read of at most the value's size (into ``into`` when given): no buffer to grow, no copy to join.
+            value = read_exactly(descriptor, size if limit is None else min(limit, size), len(header), into)
         except OSError as error:
             raise StoreError(f"cannot read {self._path(key)}: {error}") from error
         finally:
             os.close(descriptor)
-        # Recency for LRU eviction, seen by every process; if the file was evicted meanwhile, the
-        # value read is whole all the same.
+        # Recency for LRU eviction, seen by every process (a file evicted meanwhile was read whole all the same).
         with contextlib.suppress(OSError):
             os.utime(name, dir_fd=directory, follow_symlinks=False)
         return value
@@ -244,6 +241,9 @@ class FileStore(ByteStore):
 
     def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         return self._read(key, num_bytes)
+
+    def get_into(self, key: str, buffer: memoryview) -> Stored | None:
+        return self._read(key, buffer.nbytes, buffer)
 
     def contains(self, key: str) -> bool:
         shard, name = self._names(key)

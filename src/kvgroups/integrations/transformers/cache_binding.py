@@ -57,6 +57,33 @@ class BoundCache:
         return chunks
 
 
+def _probe(model: Any, device: torch.device) -> list[Part]:
+    """The parts of the cache a one-token forward leaves, once the cache is known to be all of the state."""
+    probe = DynamicCache(config=model.config)
+    layers = len(probe.layers)
+    one = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        output = model(input_ids=one, cache=probe, use_cache=True, position_ids=one, logits_to_keep=1)
+    returned = getattr(output, "cache", None)
+    if id(returned) != id(probe):  # (an identity check mypy does not narrow on)
+        what = "no cache" if returned is None else f"a {type(returned).__name__} of its own"
+        raise UnsupportedCacheError(f"the model's forward returns {what}, not the DynamicCache it was given: its "
+                                    f"state is kept where kvgroups cannot read it")
+    if len(probe.layers) != layers:
+        raise UnsupportedCacheError(f"the model's forward grew its cache from {layers} to {len(probe.layers)} layers "
+                                    f"(passes over shared layers keep caches of their own); a fresh cache cannot "
+                                    f"hold them")
+    parts = read_parts(probe)
+    for part in (part for part in parts if part.token_indexed):
+        value = current_value(part, probe)
+        rows = (value[0] if isinstance(value, tuple) else value).shape[-2]  # [..., tokens, width]
+        if rows != 1:
+            raise UnsupportedCacheError(f"cache layer {part.layer_index} holds {rows} positions after a one-token "
+                                        f"forward (positions of its own before the tokens); kvgroups stores one "
+                                        f"row per token")
+    return parts
+
+
 class CacheBinding:
     """The parts, groups and metadata of a transformers model's cache, read from one probe forward.
 
@@ -68,11 +95,7 @@ class CacheBinding:
     def __init__(self, model: Any, chunk_size: int, model_name: str) -> None:
         self.config = model.config
         self.device = next(model.parameters()).device
-        probe = DynamicCache(config=model.config)
-        one = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            model(input_ids=one, cache=probe, use_cache=True, position_ids=one, logits_to_keep=1)
-        self.parts = read_parts(probe)
+        self.parts = _probe(model, self.device)
         self.specs: dict[str, LayerCacheSpec] = {part.name: part.spec for part in self.parts}
         self.all_recurrent = not any(part.token_indexed for part in self.parts)
         self.keeps_every_token = all(part.spec.keeps_every_token for part in self.parts)

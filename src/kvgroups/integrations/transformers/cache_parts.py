@@ -28,8 +28,12 @@ from transformers.cache_utils import (
     CacheLayerMixin,
     DummyLayer,
     DynamicIndexedLayer,
+    DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
 )
 
 from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
@@ -110,15 +114,42 @@ def _state_parts(index: int, layer: Any) -> list[Part]:
     return parts
 
 
+# The layer classes whose every tensor is read and restored here. A subclass may keep more (DeepSeek-V4's
+# compressor state, MiniMax-M3's block index keys), so classes are matched exactly.
+KNOWN_LAYERS = (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, LinearAttentionLayer,
+                LinearAttentionAndFullAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer)
+
+
+def _check_layer(index: int, layer: Any) -> None:
+    if type(layer) in KNOWN_LAYERS:
+        return
+    known = next((base.__name__ for base in type(layer).__mro__[1:] if base in KNOWN_LAYERS), None)
+    kept = f" (a {known} that keeps state of its own)" if known else ""
+    raise UnsupportedCacheError(f"cache layer {index} is a {type(layer).__name__}{kept}, which kvgroups cannot store; "
+                                f"expected one of {', '.join(cls.__name__ for cls in KNOWN_LAYERS)}")
+
+
+def _holds_state(layer: Any) -> bool:
+    return any(tensors.get(state) is not None for tensors in (layer.conv_states, layer.recurrent_states)
+               for state in range(layer.number_of_states))
+
+
 def read_parts(cache: Any) -> list[Part]:
-    """The parts of a cache after at least one forward (so every layer holds tensors)."""
+    """The parts of a cache after at least one forward.
+
+    A layer the forward left empty (mllama's cross-attention layers, written only for images) holds
+    nothing of the text and is skipped, as a fresh cache leaves it empty too; a linear-attention layer
+    left without any state is refused: its model keeps the state somewhere else.
+    """
     parts: list[Part] = []
     for index, layer in enumerate(cache.layers):
+        _check_layer(index, layer)
         if isinstance(layer, DummyLayer):
             continue
-        if not isinstance(layer, (CacheLayerMixin, LinearAttentionCacheLayerMixin)):
-            raise UnsupportedCacheError(f"cache layer {index} is a {type(layer).__name__}, which kvgroups cannot store")
-        if isinstance(layer, CacheLayerMixin):
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not _holds_state(layer):
+            raise UnsupportedCacheError(f"cache layer {index} ({type(layer).__name__}) holds no state after a "
+                                        f"forward: the model keeps its recurrent state outside the cache")
+        if isinstance(layer, CacheLayerMixin) and layer.keys is not None:
             parts += _attention_parts(index, layer)
         if isinstance(layer, DynamicIndexedLayer) and layer.indexer_keys is not None:
             indexer = layer.indexer_keys

@@ -15,31 +15,17 @@ from typing import Any
 import transformers
 
 from kvgroups.errors import KVGroupsError
+from kvgroups.models.transformers_types import sweep_data
 from kvgroups.store.identity import model_identity as identity
 from kvgroups.store.identity import tensors_digest
 
-# Checked with transformers 5.24 (tests/test_transformers_reuse.py builds each of them).
-VERIFIED_MODEL_TYPES = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2",
-    "gemma", "gemma2", "gemma3_text",
-    "deepseek_v3",
-    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
-    "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid", "zamba2", "mamba2",
-    "lfm2",
-})
+# Which model types reuse was checked right for, and why the others are refused, as the sweep over
+# every causal-LM type found (tests/test_model_type_sweep.py keeps models/transformers_types.json current).
+_VERDICTS = sweep_data().prefix_cache_verdicts()
+VERIFIED_MODEL_TYPES = frozenset(name for name, verdict in _VERDICTS.items() if verdict.verified)
+REFUSED_MODEL_TYPES = {name: verdict.reason for name, verdict in sorted(_VERDICTS.items()) if not verdict.verified}
+CHECKED_WITH = sweep_data().transformers
 
-# What goes wrong, measured with transformers 5.24, for model types that are refused outright.
-REFUSED_MODEL_TYPES = {
-    "jamba": "its mamba (v1) layers ignore a restored SSM state in multi-token forwards, so a continued or "
-             "chunk-by-chunk prefill differs from recomputing",
-    "mamba": "its mamba (v1) layers ignore a restored SSM state in multi-token forwards",
-    "falcon_mamba": "its mamba (v1) layers ignore a restored SSM state in multi-token forwards",
-    "zamba": "its mamba (v1) layers ignore a restored SSM state in multi-token forwards",
-    "minimax": "it keeps its lightning-attention state in a cache class of its own",
-    "recurrent_gemma": "it keeps its recurrent state on the modules, not in the cache",
-    "xlstm": "it keeps its state in a cache class of its own",
-    "reformer": "it keeps its state in a cache class of its own",
-}
 
 class UnsupportedModelError(KVGroupsError):
     """A model whose restored caches would not continue exactly as recomputing."""
@@ -58,8 +44,8 @@ def check_supported(model: Any) -> None:
                                     f"{REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in VERIFIED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"prefix reuse has not been checked for model_type {model_type!r}; checked: "
-            f"{', '.join(sorted(VERIFIED_MODEL_TYPES))}"
+            f"prefix reuse has not been checked for model_type {model_type!r} (not a causal-LM type of transformers "
+            f"{CHECKED_WITH}); checked: {', '.join(sorted(VERIFIED_MODEL_TYPES))}"
         )
 
 

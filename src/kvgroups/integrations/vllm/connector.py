@@ -5,8 +5,9 @@ kv_connector_module_path="kvgroups.integrations.vllm", kv_role="kv_both",
 kv_connector_extra_config={"store": URL or [URLs], "chunk_size": N, "salt": S})``. vLLM builds
 one instance per role in different processes; each delegates to its side
 (:mod:`~kvgroups.integrations.vllm.scheduler_side`, :mod:`~kvgroups.integrations.vllm.worker_side`).
-Loads are synchronous (before the forward) and layer-by-layer hooks do nothing: every layer,
-attention or recurrent, is moved at once per step.
+Hits load asynchronously by default (the request waits while other requests run; ``"load_mode":
+"sync"`` loads before the forward instead, for models of one KV-cache group), and layer-by-layer
+hooks do nothing: every layer, attention or recurrent, is moved at once per request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -62,13 +64,28 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.deployment)
-            if policy != "recompute":
-                logger.warning(
-                    "KVGroupsConnector: kv_load_failure_policy is %r; a hit whose entries vanish between "
-                    "lookup and load (evicted by another process) then fails its request. Set "
-                    "kv_load_failure_policy='recompute' to recompute such blocks instead.", policy)
+            self._warn_about_failures(policy)
         else:
             self._worker = WorkerSide(self.deployment, _tensor_parallel_rank())
+
+    def _warn_about_failures(self, policy: str) -> None:
+        deployment = self.deployment
+        if deployment.settings.load_mode == "sync" and deployment.load_asynchronously:
+            logger.warning(
+                "KVGroupsConnector: load_mode 'sync' is not safe for this model's %d KV-cache groups (vLLM cannot "
+                "recompute a failed synchronous load of several groups: it raises), so hits load asynchronously",
+                deployment.num_engine_groups)
+        if policy != "recompute" and deployment.is_consumer:
+            how = ("the request is reported failed" if deployment.load_asynchronously
+                   else "its blocks are reported failed")
+            logger.warning(
+                "KVGroupsConnector: kv_load_failure_policy is %r: a hit whose entries are gone or corrupt when "
+                "the worker loads them (evicted or damaged after the lookup) fails its request with an error "
+                "(%s). Set kv_load_failure_policy='recompute' to have vLLM recompute it instead.", policy, how)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save that never lands costs a later miss, nothing more
 
     # --- worker side ------------------------------------------------------------------------
     def _worker_side(self) -> WorkerSide:
@@ -101,6 +118,13 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if plans is not None and plans.saves:
             self._worker_side().save(plans)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        finished, failed = self._worker.finished_loads()
+        # A failed load is reported finished too: vLLM then recomputes the request and frees its blocks.
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -119,6 +143,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler_side().update_state_after_alloc(request, num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # A load writes every group's blocks (states too): vLLM must zero none of them after it.
+        return tuple(range(self.deployment.num_engine_groups))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed:
+            self._scheduler_side().loads_failed(set(failed))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)

@@ -42,6 +42,11 @@ class Deployment:
         self.engine_id = transfer.engine_id
         # The groups every rank must register (the worker checks), and each vLLM group's members among them.
         self.groups, self.engine_groups = self.plan.build_groups(self.plan.meta_values(int(kv_cache_config.num_blocks)))
+        # vLLM recomputes a failed synchronous load block by block, which it refuses (raises) for a
+        # model of several KV-cache groups, whose block ids are per group: such models load
+        # asynchronously, whose failures are per request.
+        self.num_engine_groups = len(kv_cache_config.kv_cache_groups)
+        self.load_asynchronously = self.settings.load_mode == "async" or self.num_engine_groups > 1
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
         # A recurrent group is served only where its state has one block per request, updated in

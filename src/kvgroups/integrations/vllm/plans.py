@@ -22,6 +22,8 @@ class LoadPlan:
 
     ``local_tokens`` of them are already in vLLM's own prefix cache (their blocks may be shared
     with other requests and are left alone); the rest are written into ``block_ids``.
+    ``asynchronous``: the request waits (vLLM's ``WAITING_FOR_REMOTE_KVS``) while the worker
+    loads in the background and reports it done; else the load runs before this step's forward.
     """
 
     request_id: str
@@ -30,6 +32,7 @@ class LoadPlan:
     num_tokens: int
     local_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
+    asynchronous: bool = False
 
     @property
     def tokens(self) -> np.ndarray:

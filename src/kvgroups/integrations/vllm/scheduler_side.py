@@ -1,10 +1,13 @@
 """The connector's scheduler side: how many tokens the store can serve a request, and each step's plans.
 
-A hit is promised only after reading it back: :meth:`KVChunkStore.verify` on every rank's
-chunks at the boundary, so a corrupt or missing entry, another salt, or a store that is down
-costs a miss now instead of a failed load later. A hit never covers the prompt's last token
-(vLLM computes it for the first logits) and is a multiple of the chunk size, itself a multiple
-of every attention group's block size.
+A hit is promised from what exists (:meth:`KVChunkStore.lookup` on every rank's chunks, no body
+read; :mod:`~kvgroups.integrations.vllm.lookups` runs it in the background where the store is a
+server), so the scheduler never waits on entries' bytes. The worker reads and checks each entry
+once, when it loads; an entry gone or corrupt by then fails the load and vLLM recomputes the
+request (asynchronous loads, ``failed_recving``) or the blocks (synchronous loads,
+``invalid_block_ids``), and the store is not offered for that request again. A hit never covers
+the prompt's last token (vLLM computes it for the first logits) and is a multiple of the chunk
+size, itself a multiple of every attention group's block size.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.lookups import Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.urls import open_store
@@ -46,9 +50,9 @@ class _RequestState:
     salt: str
     may_load: bool = True
     may_save: bool = True
-    hit_tokens: int | None = None  # verified store hit, once looked up
     queried_local: int = 0  # the local (vLLM prefix cache) hit the lookup was asked after
     load: tuple[int, int] | None = None  # (num_tokens, local_tokens) to load in the next plan
+    load_failed: bool = False  # a load of this request failed: the store is not offered again
     planned: set[int] = field(default_factory=set)  # chunks already planned for saving
 
 
@@ -66,6 +70,9 @@ class SchedulerSide:
         ]
         self._requests: dict[str, _RequestState] = {}
         self._kv_cache_manager: Any = None
+        self.asynchronous = deployment.load_asynchronously
+        self.lookups = Lookups(background=not all_tiers_local(deployment.settings.stores))
+        self._async_loads: list[str] = []  # requests whose asynchronous load the next plan starts
         if deployment.unservable:
             logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
 
@@ -85,44 +92,59 @@ class SchedulerSide:
             self._requests[request.request_id] = state
         return state
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` the store serves (loaded before the next forward)."""
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the store serves, and whether they load asynchronously;
+        None while the request's lookup runs in the background (vLLM asks again next step)."""
         state = self._state_of(request)
-        if state is None or not state.may_load or not self.deployment.is_consumer or self.deployment.unservable:
+        if (state is None or not state.may_load or state.load_failed or not self.deployment.is_consumer
+                or self.deployment.unservable):
             return 0, False
         usable = (len(state.tokens) - 1) // self.chunk_size * self.chunk_size
         if usable <= num_computed_tokens:
             return 0, False
-        if state.hit_tokens is None:
-            state.hit_tokens = self._verified_hit(state, usable)
-            logger.debug("request %s: store serves %d of %d prompt tokens", request.request_id,
-                         state.hit_tokens, len(state.tokens))
+        hit = self.lookups.answer(request.request_id, lambda: self._stored_hit(state, usable))
+        if hit is None:
+            return None, False
         state.queried_local = num_computed_tokens
-        return max(0, state.hit_tokens - num_computed_tokens), False
+        new_tokens = max(0, hit - num_computed_tokens)
+        return new_tokens, new_tokens > 0 and self.asynchronous
 
-    def _verified_hit(self, state: _RequestState, usable: int) -> int:
+    def _stored_hit(self, state: _RequestState, usable: int) -> int:
+        """The longest boundary every rank's entries exist at (none is read: the worker checks them)."""
         tokens = state.tokens[:usable]
-        keys = [store.keys(tokens, request_salt=state.salt) for store in self.rank_stores]
-        boundary = min(store.lookup(None, keys=rank_keys) for store, rank_keys in zip(self.rank_stores, keys,
-                                                                                      strict=True))
-        # Every rank must read back whole at one boundary; a rank that reads less moves it down.
-        while boundary:
-            verified = min(store.verify(None, boundary, keys=rank_keys)
-                           for store, rank_keys in zip(self.rank_stores, keys, strict=True))
-            if verified == boundary:
-                break
-            boundary = verified
-        return boundary
+        hit = min(store.lookup(None, keys=store.keys(tokens, request_salt=state.salt)) for store in self.rank_stores)
+        logger.debug("request %s: store holds %d of %d prompt tokens", state.request.request_id, hit,
+                     len(state.tokens))
+        return hit
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        # vLLM calls this again, with 0, when an asynchronous load is done: nothing more to plan.
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return
         state.load = (state.queried_local + num_external_tokens, state.queried_local)
+        if self.asynchronous:
+            self._async_loads.append(request.request_id)
+
+    def loads_failed(self, request_ids: set[str]) -> None:
+        """Loads that failed (``failed_recving``): vLLM recomputes these requests; never offer them the store again."""
+        for request_id in request_ids:
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.load_failed = True
+                logger.info("request %s: its stored prefix failed to load; recomputed", request_id)
 
     # --- plans ------------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> KVGroupsConnectorMetadata:
         metadata = KVGroupsConnectorMetadata()
+        # Asynchronous loads are not scheduled this step (their requests wait for them): each plan
+        # carries its blocks.
+        for request_id in self._async_loads:
+            state = self._requests.get(request_id)
+            if state is None or state.load is None:
+                continue
+            metadata.loads.append(self._load_plan(request_id, state, self._block_ids(request_id), asynchronous=True))
+        self._async_loads.clear()
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
@@ -131,14 +153,8 @@ class SchedulerSide:
             start = int(state.request.num_computed_tokens)
             block_ids: tuple[tuple[int, ...], ...] | None = None
             if state.load is not None:
-                num_tokens, local_tokens = state.load
-                state.load = None
                 block_ids = self._block_ids(request_id)
-                metadata.loads.append(LoadPlan(
-                    request_id=request_id, token_bytes=token_bytes(state.tokens[:num_tokens]),
-                    request_salt=state.salt, num_tokens=num_tokens, local_tokens=local_tokens,
-                    block_ids=block_ids,
-                ))
+                metadata.loads.append(self._load_plan(request_id, state, block_ids, asynchronous=False))
             if not self.deployment.is_producer or not state.may_save:
                 continue
             end = min(start + int(num_scheduled), len(state.tokens))
@@ -157,15 +173,27 @@ class SchedulerSide:
             ))
         return metadata
 
+    @staticmethod
+    def _load_plan(request_id: str, state: _RequestState, block_ids: tuple[tuple[int, ...], ...], *,
+                   asynchronous: bool) -> LoadPlan:
+        num_tokens, local_tokens = state.load or (0, 0)
+        state.load = None
+        return LoadPlan(request_id=request_id, token_bytes=token_bytes(state.tokens[:num_tokens]),
+                        request_salt=state.salt, num_tokens=num_tokens, local_tokens=local_tokens,
+                        block_ids=block_ids, asynchronous=asynchronous)
+
     def _block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(int(block) for block in ids) for ids in self._kv_cache_manager.get_block_ids(request_id))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its blocks can be freed at once (saves copied them out in their step)."""
+        """Forget the request; its blocks can be freed at once (saves copied them out in their step; a
+        load still running holds them through vLLM until the worker reports it)."""
         self._requests.pop(request.request_id, None)
+        self.lookups.forget(request.request_id)
         return False, None
 
     def close(self) -> None:
+        self.lookups.close()
         for store in self.rank_stores:
             store.close()
         self.store.close()

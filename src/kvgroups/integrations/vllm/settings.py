@@ -1,11 +1,13 @@
 """The connector's settings, read from ``kv_connector_extra_config``, and the identity of the served model.
 
 ``{"store": URL or [URLs], "chunk_size": N, "salt": S, "secret_file": PATH, "encrypt": bool,
-"max_pending_bytes": N}``: where chunks live (a list is a tier chain, fastest first), how many
-tokens a stored chunk holds (a multiple of every attention group's block size), the tenant salt
-that keeps this deployment's keys apart from others', the file holding the deployment's secret
-(else ``$KVGROUPS_STORE_SECRET``, else none), whether entries are encrypted, and the host memory
-queued saves may hold.
+"max_pending_bytes": N, "load_mode": "async" | "sync"}``: where chunks live (a list is a tier
+chain, fastest first), how many tokens a stored chunk holds (a multiple of every attention
+group's block size), the tenant salt that keeps this deployment's keys apart from others', the
+file holding the deployment's secret (else ``$KVGROUPS_STORE_SECRET``, else none), whether
+entries are encrypted, the host memory queued saves may hold, and how hits are loaded: in
+background threads while other requests run (``"async"``, the default), or before the forward
+that needs them (``"sync"``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from kvgroups.store.identity import model_identity as identity
 from kvgroups.store.redis_settings import mask_url
 from kvgroups.store.secret import StoreSecret
 
-KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes")
+KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode")
 DEFAULT_CHUNK_SIZE = 256
+LOAD_MODES = ("async", "sync")
 
 
 class ConnectorConfigError(KVGroupsError):
@@ -44,6 +47,7 @@ class ConnectorSettings:
     secret: StoreSecret | None = field(default=None, compare=False)
     encrypt: bool = False
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    load_mode: str = "async"
 
     @property
     def masked_stores(self) -> tuple[str, ...]:
@@ -51,7 +55,8 @@ class ConnectorSettings:
 
     def __repr__(self) -> str:
         return (f"ConnectorSettings(stores={self.masked_stores!r}, chunk_size={self.chunk_size}, "
-                f"salt=<{len(self.salt)} chars>, secret={'<set>' if self.secret else None}, encrypt={self.encrypt})")
+                f"salt=<{len(self.salt)} chars>, secret={'<set>' if self.secret else None}, encrypt={self.encrypt}, "
+                f"load_mode={self.load_mode!r})")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -83,6 +88,9 @@ class ConnectorSettings:
         pending = extra.get("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES)
         if not is_int_at_least(pending, 1):
             problems.append(f"'max_pending_bytes' must be an int >= 1, got {pending!r}")
+        load_mode = extra.get("load_mode", "async")
+        if load_mode not in LOAD_MODES:
+            problems.append(f"'load_mode' must be one of {list(LOAD_MODES)}, got {load_mode!r}")
         secret = None
         secret_file = extra.get("secret_file")
         try:
@@ -94,7 +102,7 @@ class ConnectorSettings:
         if problems:
             raise ConnectorConfigError("kv_connector_extra_config for KVGroupsConnector: " + "; ".join(problems))
         return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt, secret=secret, encrypt=encrypt,
-                   max_pending_bytes=pending)
+                   max_pending_bytes=pending, load_mode=load_mode)
 
     def check_block_sizes(self, block_sizes: Mapping[int, int]) -> None:
         """Raise unless ``chunk_size`` is a multiple of every attention group's block size (group -> size)."""

@@ -1,11 +1,17 @@
 """The connector's worker side: bind vLLM's registered caches, restore planned prefixes, save new chunks.
 
-Loads run in ``start_load_kv``, before the forward that needs them; saves in ``wait_for_save``,
-after the forward that computed them and before vLLM may hand their blocks to another request.
-The copies are the data path's (``KVTransfer``, one per kvgroups group, bound once); encoding
-and writing happen on the chunk store's background writer. A load that fails reports its blocks
-to vLLM (``get_block_ids_with_load_errors``), which recomputes them under
-``kv_load_failure_policy="recompute"``; a save that fails is logged and costs a later miss.
+A load reads each entry once, into a reused buffer, checks it, and copies it into the request's
+blocks (:class:`~kvgroups.store.entry_reads.EntryReader`, then ``KVTransfer.unpack``); entries below vLLM's own
+prefix-cache hit are not read. Asynchronous loads run in background threads
+(:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, and are reported
+through ``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the
+request under ``kv_load_failure_policy="recompute"``. Synchronous loads run in ``start_load_kv``,
+before the forward that needs them; a failed one reports its blocks
+(``get_block_ids_with_load_errors``), which vLLM recomputes. Saves run in ``wait_for_save``, after
+the forward that computed them and before vLLM may hand their blocks to another request: a copy
+into host buffers, then encoding and writing on the chunk store's background writer; a save that
+fails is logged and costs a later miss. The copies are the data path's (``KVTransfer``, one per
+kvgroups group, bound once).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from kvgroups.datapath.slots import paged_slots
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
 from kvgroups.store.chunk_store import KVChunkStore
+from kvgroups.store.entry_reads import EntryReader
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,11 @@ class WorkerSide:
         self.expected = deployment.metadata(rank, deployment.groups, "worker").fingerprint()
         self.store: KVChunkStore | None = None
         self.transfers: list[KVTransfer] = []
+        self.load_transfers: list[KVTransfer] = []
         self.engine_groups = deployment.engine_groups
         self._load_errors: set[int] = set()
+        self.loads: BackgroundLoads | None = None
+        self.reader: EntryReader | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         plan = self.deployment.plan
@@ -59,9 +70,14 @@ class WorkerSide:
                 f"expected {[group.to_dict() for group in self.deployment.groups]}"
             )
         self.transfers = [KVTransfer([group], values) for group in groups]
+        # Background loads copy on one thread each: the model's forward has the cores meanwhile.
+        self.load_transfers = [KVTransfer([group], values, num_threads=1) for group in groups]
         settings = self.deployment.settings
         self.store = KVChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
                                   encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
+        self.reader = EntryReader(self.store)
+        self.loads = BackgroundLoads(self.reader.buffer)
+        self._sync_buffer: bytearray | None = None
         device = self.transfers[0].device if self.transfers else torch.device("cpu")
         self.host_buffers = HostBufferPool(settings.max_pending_bytes, pin=device.type != "cpu")
         # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
@@ -73,37 +89,69 @@ class WorkerSide:
 
     # --- loads ------------------------------------------------------------------------------
     def load(self, metadata: KVGroupsConnectorMetadata) -> None:
+        """Start this step's asynchronous loads; run its synchronous ones (before the forward)."""
         for plan in metadata.loads:
+            if plan.asynchronous:
+                self._background_loads().submit(plan.request_id, partial(self._restore, plan, self.load_transfers))
+                continue
+            if self._sync_buffer is None:
+                self._sync_buffer = self._reader().buffer()
             try:
-                loaded = self._load(plan)
+                loaded = self._restore(plan, self.transfers, self._sync_buffer)
             except Exception:  # a load must never take the engine down: vLLM recomputes what failed
                 logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
                 loaded = False
             if not loaded:
                 self._load_errors.update(self._planned_blocks(plan))
 
-    def _load(self, plan: LoadPlan) -> bool:
+    def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
+        """Read every entry the plan needs, once, and copy it into the request's blocks; whether all were there."""
         store = self._bound_store()
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
-        prefix = store.load(None, plan.num_tokens, keys=keys)
-        if prefix.num_tokens != plan.num_tokens:
-            logger.warning("request %s: the store served %d of the %d tokens promised; vLLM recomputes the rest",
-                           plan.request_id, prefix.num_tokens, plan.num_tokens)
-            return False
+        num_chunks = plan.num_tokens // self.chunk_size
         for engine_group in self.engine_groups:
             block_ids = np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
             for member in engine_group.members:
-                part = prefix.groups[member]
-                transfer = self.transfers[member]
-                if not engine_group.token_indexed:
-                    transfer.unpack([part.tensor], state_indices=[self._state_block(block_ids)])
-                    continue
-                positions = np.arange(max(part.first_token, plan.local_tokens), plan.num_tokens)
-                slots = paged_slots(positions, block_ids, engine_group.block_size)
-                # Tokens whose block is the null block have slid out of the window: nothing to write.
-                kept = slots >= 0
-                transfer.unpack([part.rows(positions[kept])], torch.from_numpy(slots[kept]))
+                for chunk in store.needed_chunks(member, num_chunks):
+                    first = chunk * self.chunk_size
+                    if engine_group.token_indexed and first + self.chunk_size <= plan.local_tokens:
+                        continue  # in vLLM's own prefix cache already
+                    entry = self._reader().read(keys[chunk], member, chunk, buffer)
+                    if entry is None:
+                        logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes "
+                                       "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
+                        return False
+                    if not engine_group.token_indexed:
+                        transfers[member].unpack([entry], state_indices=[self._state_block(block_ids)])
+                        continue
+                    positions = np.arange(max(first, plan.local_tokens), first + self.chunk_size)
+                    slots = paged_slots(positions, block_ids, engine_group.block_size)
+                    # Tokens whose block is the null block have slid out of the window: nothing to write.
+                    kept = slots >= 0
+                    if kept.all() and positions.size == self.chunk_size:
+                        transfers[member].unpack([entry], torch.from_numpy(slots))
+                    elif kept.any():
+                        rows = entry.index_select(2, torch.from_numpy(positions[kept] - first))
+                        transfers[member].unpack([rows], torch.from_numpy(slots[kept]))
         return True
+
+    def _reader(self) -> EntryReader:
+        if self.reader is None:
+            raise KVGroupsError("register_kv_caches was not called before the first load")
+        return self.reader
+
+    def _background_loads(self) -> BackgroundLoads:
+        if self.loads is None:
+            raise KVGroupsError("register_kv_caches was not called before the first load")
+        return self.loads
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads ended since the last call, and those of them that failed."""
+        return self.loads.take() if self.loads is not None else (set(), set())
+
+    def wait_for_loads(self, timeout: float | None = None) -> bool:
+        """Wait until no asynchronous load runs (tests, shutdown); whether none does."""
+        return self.loads.wait(timeout) if self.loads is not None else True
 
     def _planned_blocks(self, plan: LoadPlan) -> set[int]:
         """The blocks a failed load leaves undefined: every group's blocks past the local hit."""
@@ -181,6 +229,9 @@ class WorkerSide:
             self.store.flush()
 
     def close(self) -> None:
+        loads, self.loads = self.loads, None
+        if loads is not None:
+            loads.close()
         store, self.store = self.store, None
         if store is not None:
             store.close()

@@ -14,7 +14,7 @@ from kvgroups.models.layers import (
 )
 
 
-def _uniform(config: ConfigFields, first_sliding: int) -> list[ModelLayer]:
+def uniform_layers(config: ConfigFields, first_sliding: int) -> list[ModelLayer]:
     """Every layer alike, sliding from layer ``first_sliding`` on where a window applies."""
     config.require(*GENERIC_FIELDS)
     window = config.sliding_window()
@@ -29,7 +29,7 @@ def _uniform(config: ConfigFields, first_sliding: int) -> list[ModelLayer]:
 @family("llama", "mistral", "mixtral", "phi3")
 def _llama_like(config: ConfigFields) -> list[ModelLayer]:
     """Every layer alike; all of them slide where a window applies."""
-    return _uniform(config, first_sliding=0)
+    return uniform_layers(config, first_sliding=0)
 
 
 @family("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", reads=("max_window_layers",))
@@ -38,7 +38,7 @@ def _qwen(config: ConfigFields) -> list[ModelLayer]:
     first_sliding = 0
     if config.get("max_window_layers") is not None:
         first_sliding = config.integer("max_window_layers", minimum=0)
-    return _uniform(config, first_sliding)
+    return uniform_layers(config, first_sliding)
 
 
 @family("gemma2", defaults={"head_dim": 256, "sliding_window": 4096, "max_position_embeddings": 8192,

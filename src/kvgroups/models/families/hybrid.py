@@ -53,7 +53,10 @@ def _lightning(config: ConfigFields) -> ModelLayer:
 
 @family("minimax", "minimax_m1", "minimax_text_01", defaults={"num_key_value_heads": 8,
                                                             "max_position_embeddings": 131072},
-        layer_types={"linear_attention": _lightning}, reads_layer_types=False, reads=("attn_type_list",))
+        layer_types={"linear_attention": _lightning}, reads_layer_types=False,
+        # linear_attn_alpha_factor / beta_factor scale the residual branch, not the state (transformers
+        # writes both into every config it saves).
+        reads=("attn_type_list", "linear_attn_alpha_factor", "linear_attn_beta_factor"))
 def _minimax(config: ConfigFields) -> list[ModelLayer]:
     """``layer_types``, else ``attn_type_list`` (0 lightning, 1 softmax attention, as vLLM reads it), else
     transformers' default (even layers full)."""
@@ -76,13 +79,13 @@ def _minimax(config: ConfigFields) -> list[ModelLayer]:
     )
 
 
-def _short_conv(config: ConfigFields) -> ModelLayer:
+def short_conv_layer(config: ConfigFields) -> ModelLayer:
     channels = config.integer("conv_dim") if config.get("conv_dim") is not None else config.integer("hidden_size")
     return ShortConvLayer(channels=channels, conv_kernel=config.integer("conv_L_cache", minimum=2))
 
 
 @family("lfm2", defaults={"num_key_value_heads": 8, "conv_L_cache": 3, "max_position_embeddings": 128000},
-        layer_types={"conv": _short_conv},
+        layer_types={"conv": short_conv_layer},
         reads=("conv_L_cache", "conv_dim", "conv_dim_out", "conv_bias", "conv_use_xavier_init", "full_attn_idxs"))
 def _lfm2(config: ConfigFields) -> list[ModelLayer]:
     """``layer_types`` (``conv`` / ``full_attention``), else attention at ``full_attn_idxs``, else (as in

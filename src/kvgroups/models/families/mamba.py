@@ -188,7 +188,9 @@ def _zamba2(config: ConfigFields) -> list[ModelLayer]:
                         conv_kernel=config.integer("mamba_d_conv", minimum=2))
     if (2 * hidden) % heads:
         raise ModelConfigError(f"num_attention_heads={heads} does not divide 2 * hidden_size={2 * hidden}")
-    attention = AttentionLayer(spec=FullAttention(), num_kv_heads=config.num_kv_heads(), head_size=2 * hidden // heads)
+    # transformers derives attention_head_dim and lets a config that names it override it.
+    head_size = config.integer("attention_head_dim") if config.get("attention_head_dim") else 2 * hidden // heads
+    attention = AttentionLayer(spec=FullAttention(), num_kv_heads=config.num_kv_heads(), head_size=head_size)
     hybrid = ParallelLayer(mixers=(attention, mamba))
     kinds: dict[str, ModelLayer] = {"mamba": mamba, "linear_attention": mamba, "hybrid": hybrid}
     unknown = sorted({str(kind) for kind in block_types if kind not in kinds})

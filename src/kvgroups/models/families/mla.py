@@ -9,6 +9,7 @@ from kvgroups.models.layers import (
     IndexedMLALayer,
     MLALayer,
     ModelLayer,
+    ParallelLayer,
 )
 
 _MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
@@ -21,6 +22,28 @@ def _mla(config: ConfigFields) -> list[ModelLayer]:
     """Multi-head latent attention on every layer (MTP layers are not counted)."""
     layer = MLALayer(kv_lora_rank=config.integer("kv_lora_rank"), qk_rope_head_dim=config.integer("qk_rope_head_dim"))
     return [layer] * config.integer("num_hidden_layers")
+
+
+def _mla_defaults(layers: int, heads: int, hidden: int, positions: int, rank: int = 512,
+                  rope: int = 64) -> dict[str, int]:
+    return {"num_hidden_layers": layers, "num_attention_heads": heads, "hidden_size": hidden,
+            "max_position_embeddings": positions, "kv_lora_rank": rank, "qk_rope_head_dim": rope}
+
+
+# More MLA families (transformers' defaults): every layer one latent.
+for _model_type, _defaults in {
+    "axk1": _mla_defaults(61, 64, 7168, 32768), "glm4_moe_lite": _mla_defaults(47, 20, 2048, 202752),
+    "minicpm3": _mla_defaults(62, 40, 2560, 32768, 256, 32), "sarvam_mla": _mla_defaults(32, 64, 4096, 4096),
+    "youtu": _mla_defaults(32, 16, 2048, 131072),
+}.items():
+    family(_model_type, defaults=_defaults, reads=_MLA_FIELDS)(_mla)
+
+
+@family("longcat_flash", defaults={**_mla_defaults(0, 64, 6144, 131072), "num_layers": 28}, reads=_MLA_FIELDS)
+def _longcat_flash(config: ConfigFields) -> list[ModelLayer]:
+    """``num_layers`` layers of two MLA attentions each, each with a latent cache of its own."""
+    latent = MLALayer(kv_lora_rank=config.integer("kv_lora_rank"), qk_rope_head_dim=config.integer("qk_rope_head_dim"))
+    return [ParallelLayer(mixers=(latent, latent))] * config.integer("num_layers")
 
 
 def _indexer_types(config: ConfigFields, num_layers: int) -> list[str]:
@@ -64,3 +87,20 @@ family("deepseek_v32", defaults={**_DSA_DEFAULTS, "index_n_heads": 64},
        reads=_DSA_FIELDS, reads_layer_types=False)(_dsa)
 family("glm_moe_dsa", defaults={**_DSA_DEFAULTS, "index_n_heads": 32},
        reads=_DSA_FIELDS, reads_layer_types=False)(_dsa)
+# AXK2: an indexer in every layer.
+family("axk2", defaults={**_mla_defaults(48, 32, 2048, 131072, 128, 32), "index_head_dim": 128, "index_topk": 2048,
+                         "index_topk_freq": 1, "index_skip_topk_offset": 0},
+       reads=_DSA_FIELDS, reads_layer_types=False)(_dsa)
+
+
+@family("hy_v4", defaults={**_mla_defaults(34, 32, 2816, 262144), "index_head_dim": 128, "index_topk": 2048},
+        reads=_DSA_FIELDS, reads_layer_types=False)
+def _hy_v4(config: ConfigFields) -> list[ModelLayer]:
+    """``indexer_types``, else HYV4Config's default: layers 0, 1, 5, 9, ... run an indexer, the others
+    reuse the previous one's top-k."""
+    if config.get("indexer_types") is None:
+        kinds = ["full" if index == 0 or (index - 1) % 4 == 0 else "shared"
+                 for index in range(config.integer("num_hidden_layers"))]
+        config = ConfigFields({**config.data, "indexer_types": kinds}, config.model_type, config.family,
+                              outer=config.outer)
+    return _dsa(config)

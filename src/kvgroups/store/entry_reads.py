@@ -1,0 +1,72 @@
+"""One stored entry at a time, read into a reused buffer and checked without a copy, for callers that stream a prefix.
+
+:meth:`KVChunkStore.load <kvgroups.store.chunk_store.KVChunkStore.load>` returns a whole prefix in
+tensors of their own; a caller that promised a boundary from :meth:`~KVChunkStore.lookup` and
+moves each entry on as it arrives (a vLLM worker copying into its blocks) reads entries here
+instead: each is read straight into the caller's buffer (where the tier can), checked exactly as
+``load`` checks it, and handed over as a view of the buffer, so its bytes are read once and copied
+once, into their destination. A missing, corrupt (then deleted) or unreadable entry is None and
+counted in the chunk store's stats; a store that fails is left alone for a while, as ``load`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from kvgroups.store.chunk_store import KVChunkStore
+from kvgroups.store.codec import CorruptEntryError, EntryInfo, view_entry
+from kvgroups.store.health import Backoff, RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+
+class EntryReader:
+    """Reads ``store``'s entries one at a time into buffers from :meth:`buffer`."""
+
+    def __init__(self, store: KVChunkStore) -> None:
+        self.store = store
+        self._log = RateLimitedLog(logger)
+        self._backoff = Backoff(store.store.url, self._log)
+
+    def info(self, key: str, group_index: int, chunk_index: int) -> EntryInfo:
+        """What group ``group_index``'s entry of chunk ``chunk_index`` (prefix key ``key``) must be."""
+        group = self.store.groups[group_index]
+        return EntryInfo(key=self.store.entry_key(key, group_index), fingerprint=self.store.fingerprint,
+                         group_index=group_index, chunk_index=chunk_index, dtype=group.dtype,
+                         shape=tuple(group.chunk_shape(self.store.chunk_size)))
+
+    def buffer(self) -> bytearray:
+        """A buffer that holds any one entry of the store's groups (and one byte more, to see a longer value)."""
+        return bytearray(max(self.info("", group, 0).max_entry_bytes for group in range(len(self.store.groups))) + 1)
+
+    def read(self, key: str, group_index: int, chunk_index: int, buffer: bytearray) -> torch.Tensor | None:
+        """The entry's tensor, a view of ``buffer`` (an encrypted entry's plaintext is new memory): use
+        it before reading the next entry into the same buffer. None when it is missing, corrupt
+        (then deleted) or the store fails."""
+        info = self.info(key, group_index, chunk_index)
+        if not self._backoff.available():
+            return None
+        stats = self.store.stats
+        try:
+            value = self.store.store.get_into(info.key, memoryview(buffer))
+        except OSError as error:
+            stats.failed_reads += 1
+            self._backoff.failed("load", error)
+            return None
+        if value is None:
+            return None
+        try:
+            tensor = view_entry(value, info, secret=self.store.secret)
+        except CorruptEntryError as error:
+            stats.corrupt_entries += 1
+            self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
+                              self.store.store.url, stats.corrupt_entries, error)
+            # If the delete fails it stays unusable all the same: every read checks it again.
+            with contextlib.suppress(OSError):
+                self.store.store.delete(info.key)
+            return None
+        stats.bytes_read[group_index] += len(value)
+        return tensor
