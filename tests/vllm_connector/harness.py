@@ -36,6 +36,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvgroups.core.layouts import KVLayout
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
+from kvgroups.integrations.vllm.stats import KVGroupsConnectorStats
 from kvgroups.integrations.vllm.worker_side import WorkerSide
 
 HEADS, HEAD_SIZE, DTYPE = 2, 32, torch.float32
@@ -103,6 +104,7 @@ class Step:
     finished_loads: set[str] = field(default_factory=set)  # reported to vLLM after this step
     failed_loads: set[str] = field(default_factory=set)
     invalid_blocks: set[int] = field(default_factory=set)
+    scheduler_stats: Any = None  # vLLM's SchedulerStats of the step (its connector stats, hits by source)
 
     def new(self) -> dict[str, int]:
         """Requests scheduled for the first time this step -> their computed tokens (local + loaded)."""
@@ -156,18 +158,22 @@ class SchedulerHarness:
             assert worker.side.wait_for_loads(timeout=60)
             step.finished_loads, step.failed_loads = worker.side.finished_loads()
             step.invalid_blocks = worker.side.take_load_errors()
+            # What the worker's connector hands vLLM each step (KVGroupsConnector.get_kv_connector_stats).
+            stats = worker.side.stats.take() if worker.side.stats is not None else None
             connector_output = KVConnectorOutput(finished_recving=step.finished_loads or None,
                                                  failed_recving=step.failed_loads,
-                                                 invalid_block_ids=step.invalid_blocks)
+                                                 invalid_block_ids=step.invalid_blocks,
+                                                 kv_connector_stats=KVGroupsConnectorStats(stats) if stats else None)
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in ids:
             request = self.scheduler.requests[request_id]
             sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
-        self.scheduler.update_from_output(output, ModelRunnerOutput(
+        outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={request_id: index for index, request_id in enumerate(ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
             kv_connector_output=connector_output))
+        step.scheduler_stats = next((outputs[index].scheduler_stats for index in outputs), None)
         return step
 
     def run(self, worker: FakeWorker | None = None, max_steps: int = 50) -> list[Step]:

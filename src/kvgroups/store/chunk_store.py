@@ -233,13 +233,13 @@ class KVChunkStore:
 
     def _locate(self, keys: list[str]) -> StoredPrefix:
         if not keys or not self._backoff.available():
-            return StoredPrefix(0, {})
+            return StoredPrefix(0)
         groups = range(len(self.groups))
         try:
             located = self.store.locate_many([self.entry_key(key, group) for group in groups for key in keys])
         except OSError as error:
             self._failed("lookup", error)
-            return StoredPrefix(0, {})
+            return StoredPrefix(0)
         rows = [located[group * len(keys):(group + 1) * len(keys)] for group in groups]
         return stored_prefix([group.spec for group in self.groups], rows, self.chunk_size,
                              [tier.tier_name for tier in self.store.tiers])

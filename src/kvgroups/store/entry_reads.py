@@ -49,24 +49,27 @@ class EntryReader:
         info = self.info(key, group_index, chunk_index)
         if not self._backoff.available():
             return None
-        stats = self.store.stats
+        stats, byte_store = self.store.stats, self.store.store
         try:
-            value = self.store.store.get_into(info.key, memoryview(buffer))
+            value = byte_store.get_into(info.key, memoryview(buffer))
         except OSError as error:
             stats.failed_reads += 1
+            byte_store.record_error(error)
             self._backoff.failed("load", error)
             return None
+        byte_store.record_read(1, value is not None)
         if value is None:
             return None
         try:
             tensor = view_entry(value, info, secret=self.store.secret)
         except CorruptEntryError as error:
             stats.corrupt_entries += 1
+            byte_store.record_error(error)
             self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
                               self.store.store.url, stats.corrupt_entries, error)
             # If the delete fails it stays unusable all the same: every read checks it again.
             with contextlib.suppress(OSError):
-                self.store.store.delete(info.key)
+                byte_store.delete(info.key)
             return None
         stats.bytes_read[group_index] += len(value)
         return tensor

@@ -98,20 +98,33 @@ def assemble(groups: Sequence[KVLayerGroupInfo], tensors: Mapping[tuple[int, int
 
 @dataclass(frozen=True)
 class StoredPrefix:
-    """A lookup's answer: the tokens stored for every group, and how many of them each tier holds."""
+    """A lookup's answer: the tokens stored for every group, and the tier serving each of its chunks."""
 
     num_tokens: int
-    tokens_by_tier: dict[str, int]
+    chunk_tiers: tuple[str, ...] = ()  # per chunk of the prefix, the tier its entries are read from
+
+    @property
+    def tokens_by_tier(self) -> dict[str, int]:
+        """How many of the prefix's tokens each tier serves."""
+        if not self.chunk_tiers:
+            return {}
+        chunk_size = self.num_tokens // len(self.chunk_tiers)
+        by_tier: dict[str, int] = {}
+        for tier in self.chunk_tiers:
+            by_tier[tier] = by_tier.get(tier, 0) + chunk_size
+        return by_tier
 
 
 def stored_prefix(specs: Sequence[LayerCacheSpec], located: Sequence[Sequence[int | None]], chunk_size: int,
                   tier_names: Sequence[str]) -> StoredPrefix:
     """The servable prefix from ``located[group][chunk]`` (the index of the first tier holding that
-    entry, None when none does), and the tokens each tier serves of it: a chunk is served by the
-    slowest tier holding one of its entries."""
+    entry, None when none does), and the tier serving each of its chunks: the slowest tier holding
+    one of the entries a load of the prefix reads for that chunk (the fastest where it reads none)."""
     num_chunks = servable_chunks(specs, [[where is not None for where in row] for row in located], chunk_size)
-    by_tier: dict[str, int] = {}
-    for chunk in range(num_chunks):
-        depth = max((where for row in located if (where := row[chunk]) is not None), default=0)
-        by_tier[tier_names[depth]] = by_tier.get(tier_names[depth], 0) + chunk_size
-    return StoredPrefix(num_chunks * chunk_size, by_tier)
+    if not num_chunks:
+        return StoredPrefix(0)
+    depths = [0] * num_chunks
+    for spec, row in zip(specs, located, strict=True):
+        for chunk in needed_chunks(spec, num_chunks, chunk_size):
+            depths[chunk] = max(depths[chunk], row[chunk] or 0)
+    return StoredPrefix(num_chunks * chunk_size, tuple(tier_names[depth] for depth in depths))

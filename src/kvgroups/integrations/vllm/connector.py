@@ -23,15 +23,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import check_backends
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from kvgroups.integrations.vllm.scheduler_side import SchedulerSide
 from kvgroups.integrations.vllm.settings import ConnectorConfigError
+from kvgroups.integrations.vllm.stats import KVGroupsConnectorStats, KVGroupsPromMetrics
 from kvgroups.integrations.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
+
+# vLLM's prompt_tokens_cached_by_source{source=...} for hits served by each kind of tier.
+_HIT_SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "file": CacheHitSource.DISK}
 
 
 def _tensor_parallel_rank() -> int:
@@ -163,6 +168,31 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """A hit's tokens by the tier serving them: memory (host), file (disk), a server (external)."""
+        sources: dict[CacheHitSource, int] = {}
+        for tier, tokens in self._scheduler_side().hit_sources(request, num_external_tokens).items():
+            source = _HIT_SOURCE_OF_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + tokens
+        return sources
+
+    # --- metrics ----------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVGroupsConnectorStats | None:
+        """This side's store counts since the last call: the scheduler's lookups, a worker's loads and saves."""
+        reporter = self._scheduler.stats if self._scheduler is not None else (
+            self._worker.stats if self._worker is not None else None)
+        data = reporter.take() if reporter is not None else None
+        return KVGroupsConnectorStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVGroupsConnectorStats:
+        return KVGroupsConnectorStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVGroupsPromMetrics:
+        return KVGroupsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):

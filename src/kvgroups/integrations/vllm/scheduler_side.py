@@ -21,6 +21,7 @@ import numpy as np
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.lookups import Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
+from kvgroups.integrations.vllm.stats import StatsReporter
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.urls import open_store
 
@@ -54,6 +55,7 @@ class _RequestState:
     load: tuple[int, int] | None = None  # (num_tokens, local_tokens) to load in the next plan
     load_failed: bool = False  # a load of this request failed: the store is not offered again
     planned: set[int] = field(default_factory=set)  # chunks already planned for saving
+    chunk_tiers: tuple[str, ...] = ()  # the tier serving each chunk of the stored prefix (set by its lookup)
 
 
 class SchedulerSide:
@@ -73,6 +75,9 @@ class SchedulerSide:
         self.asynchronous = deployment.load_asynchronously
         self.lookups = Lookups(background=not all_tiers_local(deployment.settings.stores))
         self._async_loads: list[str] = []  # requests whose asynchronous load the next plan starts
+        self._tier_names = [tier.tier_name for tier in self.store.tiers]  # fastest first
+        # vLLM's log line and /metrics get the lookups of rank 0's chunks (every rank is asked the same).
+        self.stats = StatsReporter(self.rank_stores[0].stats)
         if deployment.unservable:
             logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
 
@@ -112,7 +117,11 @@ class SchedulerSide:
     def _stored_hit(self, state: _RequestState, usable: int) -> int:
         """The longest boundary every rank's entries exist at (none is read: the worker checks them)."""
         tokens = state.tokens[:usable]
-        hit = min(store.lookup(None, keys=store.keys(tokens, request_salt=state.salt)) for store in self.rank_stores)
+        found = [store.locate(None, keys=store.keys(tokens, request_salt=state.salt)) for store in self.rank_stores]
+        hit = min(prefix.num_tokens for prefix in found)
+        # A chunk is as slow as the slowest tier any rank reads it from.
+        state.chunk_tiers = tuple(max((prefix.chunk_tiers[chunk] for prefix in found), key=self._tier_names.index)
+                                  for chunk in range(hit // self.chunk_size))
         logger.debug("request %s: store holds %d of %d prompt tokens", state.request.request_id, hit,
                      len(state.tokens))
         return hit
@@ -125,6 +134,18 @@ class SchedulerSide:
         state.load = (state.queried_local + num_external_tokens, state.queried_local)
         if self.asynchronous:
             self._async_loads.append(request.request_id)
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """The tier name serving each of a request's ``num_external_tokens`` (after its local hit), summed per tier."""
+        state = self._requests.get(request.request_id)
+        first = state.queried_local if state is not None else 0
+        end = first + num_external_tokens
+        sources: dict[str, int] = {}
+        for chunk in range(first // self.chunk_size, -(-end // self.chunk_size)):
+            tokens = min((chunk + 1) * self.chunk_size, end) - max(chunk * self.chunk_size, first)
+            tier = state.chunk_tiers[chunk] if state is not None and chunk < len(state.chunk_tiers) else ""
+            sources[tier] = sources.get(tier, 0) + tokens
+        return sources
 
     def loads_failed(self, request_ids: set[str]) -> None:
         """Loads that failed (``failed_recving``): vLLM recomputes these requests; never offer them the store again."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -34,6 +35,7 @@ from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
+from kvgroups.integrations.vllm.stats import StatsReporter
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.entry_reads import EntryReader
 
@@ -54,6 +56,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.loads: BackgroundLoads | None = None
         self.reader: EntryReader | None = None
+        self.stats: StatsReporter | None = None  # the store's counts since the last step, for vLLM
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         plan = self.deployment.plan
@@ -76,6 +79,7 @@ class WorkerSide:
         self.store = KVChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
                                   encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
         self.reader = EntryReader(self.store)
+        self.stats = StatsReporter(self.store.stats)
         self.loads = BackgroundLoads(self.reader.buffer)
         self._sync_buffer: bytearray | None = None
         device = self.transfers[0].device if self.transfers else torch.device("cpu")
@@ -105,7 +109,17 @@ class WorkerSide:
                 self._load_errors.update(self._planned_blocks(plan))
 
     def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
-        """Read every entry the plan needs, once, and copy it into the request's blocks; whether all were there."""
+        """Read every entry the plan needs, once, and copy it into the request's blocks; whether all were there.
+
+        Counted as one load of the tokens it restored beyond vLLM's own prefix-cache hit (none when it failed).
+        """
+        begin = time.perf_counter()
+        restored = self._restore_entries(plan, transfers, buffer)
+        self._bound_store().stats.loaded(plan.num_tokens - plan.local_tokens if restored else 0,
+                                         time.perf_counter() - begin)
+        return restored
+
+    def _restore_entries(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
         store = self._bound_store()
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         num_chunks = plan.num_tokens // self.chunk_size
