@@ -71,3 +71,4 @@ bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/reuse.py
 	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
+	$(VLLM_BIN)/python benchmarks/vllm_serving.py
