@@ -253,12 +253,8 @@ def _reuse_failure(model: Any, first: torch.Tensor, second: torch.Tensor) -> str
     with torch.no_grad():
         plain = model(second[None], logits_to_keep=1).logits[0, -1]
     tolerance = 1e-5 * max(1.0, float(plain.abs().max()))
-    threads = torch.get_num_threads()
     try:
         with prefix_cache.PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
-            # Warming the numba kernels up resets the OpenMP threads torch shares with numba to every
-            # core; on a machine whose other core runs another pytest worker that costs 4x here.
-            torch.set_num_threads(threads)
             result = cache.prefill(first)
             cache.flush()
             result = cache.prefill(second)
