@@ -170,6 +170,11 @@ def sealed_rows(directory: Path, size: int, iterations: int) -> list[str]:
     return pair("file + MAC", {"secret": secret}) + pair("file + encryption", {"secret": secret, "encrypt": True})
 
 
+# Values each side moves per measurement (1 MiB each for redis-benchmark): long enough that a 2-core
+# machine's scheduling noise averages out.
+ANCHOR_REQUESTS = 256
+
+
 def anchor_gibs(port: int, op: str, size: int, requests: int) -> float:
     """What the server's own C client moves with one connection: ``redis-benchmark -c 1``, GiB/s."""
     output = subprocess.run(["redis-benchmark", "-p", str(port), "-t", op, "-c", "1", "-d", str(size), "-n",
@@ -205,13 +210,14 @@ def server_rows(root: Path, rounds: int) -> list[str]:
                   "redis-cluster": (open_store(cluster.url), owner_of_benchmark_key(cluster))}
         for _ in range(rounds):
             for name, (store, anchor_port) in stores.items():
-                anchors = {op: anchor_gibs(anchor_port, op, MIB, 60) for op in ("get", "set")}
+                # SET first: redis-benchmark's GET then reads the value it wrote (never a missing key).
+                anchors = {op: anchor_gibs(anchor_port, op, MIB, ANCHOR_REQUESTS) for op in ("set", "get")}
                 for op, rate in anchors.items():
                     rates.setdefault((f"redis-benchmark -c 1 ({name})", op.upper(), MIB), []).append(rate)
                 for size in (MIB, 16 * MIB):
                     # Eight keys replaced in turn: the server's own client replaces one key, so neither
                     # pays for the server allocating new memory on every write.
-                    count = max(8, 64 * MIB // size)
+                    count = max(8, ANCHOR_REQUESTS * MIB // size)
                     value = memoryview(bytearray(size))
                     begin = time.perf_counter()
                     for index in range(count):
