@@ -58,12 +58,12 @@ demo: $(VENV)/.installed-demo
 test: $(VENV)/.installed redis-server
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2
+	$(BIN)/pytest -n 2 --durations=8
 	$(MAKE) test-vllm
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
 test-vllm: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/pytest -n 2 tests/vllm_connector
+	$(VLLM_BIN)/pytest -n 2 --durations=8 tests/vllm_connector
 
 bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/groups.py
