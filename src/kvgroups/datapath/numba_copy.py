@@ -250,27 +250,8 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel now, copying a few bytes between two buffers.
 
     The first call of each kernel otherwise compiles it in the middle of a copy: seconds on a
-    new machine, which a latency-sensitive caller pays at startup instead. The parallel kernel's
-    first launch starts numba's threads, which sets the launching thread's OpenMP thread count (the
-    one torch reads) to every core: it runs on a thread of its own, so that the caller's count is
-    never touched (an engine may forbid setting it back, as vLLM's CPU worker does).
+    new machine, which a latency-sensitive caller pays at startup instead.
     """
-    failures: list[BaseException] = []
-
-    def warm_up_here() -> None:
-        try:
-            _warm_up_kernels()
-        except BaseException as error:  # handed to the caller's thread below
-            failures.append(error)
-
-    worker = threading.Thread(target=warm_up_here, name="kvgroups-numba-warm-up")
-    worker.start()
-    worker.join()
-    if failures:
-        raise failures[0]
-
-
-def _warm_up_kernels() -> None:
     # Streaming stores need 32-byte aligned destinations: both buffers start on a 64-byte boundary.
     memory = np.zeros(512, dtype=np.uint8)
     start = -memory.ctypes.data % 64
@@ -281,7 +262,7 @@ def _warm_up_kernels() -> None:
     for streaming in (False, STREAMING_STORES):
         _copy_tokens_serial(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                             streaming)
-        with _PARALLEL_LOCK:
+        with _parallel_region():
             _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                                   streaming)
     if not np.array_equal(source, target):
