@@ -52,7 +52,9 @@ def served(model: Path, store: str, log: Path) -> Iterator[str]:
     """The server's base URL once /health answers; stopped (SIGINT, then killed) after."""
     port = free_port()
     # This checkout's source first, whatever the environment has installed.
+    # vLLM logs its stats line at debug level while the engine is idle, as it is between these requests.
     environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1",
+                   "VLLM_LOGGING_LEVEL": "DEBUG",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     with open(log, "w") as output:
         server = subprocess.Popen(serve_command(model, port, store), cwd=ROOT, env=environment, stdout=output,
@@ -121,6 +123,14 @@ def log_keys(line: str) -> list[str]:
     return re.findall(r"(\w+)=", line.split("KV Transfer metrics:", 1)[1])
 
 
+def wait_for_log_line(log: Path, text: str) -> None:
+    """Until the server's log has ``text`` (vLLM logs its stats every VLLM_LOG_STATS_INTERVAL seconds)."""
+    deadline = time.monotonic() + 60
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"vLLM never logged {text!r}"
+        time.sleep(0.5)
+
+
 def wait_for_entries(directory: Path, count: int) -> None:
     deadline = time.monotonic() + 60
     while FileStore(directory, create=False).stats().entries < count:
@@ -148,6 +158,7 @@ def test_vllm_serve_reuses_a_prefix_and_reports_it(tmp_path: Path, gemma3_dir: P
         wait_for_entries(store_dir, 9 * 2)  # and its own 4th chunk saved
         complete(base, _tokens(4, 10))  # a step after the saves, so the workers report them
         lines = kvgroups_lines(base)
+        wait_for_log_line(tmp_path / "serve.log", "KV Transfer metrics: hit_rate=")
     # vLLM's periodic log line shows ours: what docs/metrics.md shows, over the intervals it logged.
     documented_log, documented = documented_blocks()
     logged = [line for line in (tmp_path / "serve.log").read_text().splitlines()
