@@ -244,7 +244,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=120, help="pairs per row (32 MiB rows use a quarter)")
     parser.add_argument("--tiers", default="memory,file,redis,sealed")
-    parser.add_argument("--server-rounds", type=int, default=7, help="rounds of the Redis-against-its-client table")
+    parser.add_argument("--server-rounds", type=int, default=21, help="rounds of the Redis-against-its-client table")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}; entries handed over as memoryviews of a reused buffer\n")
     print("| tier | entry | op | ours GiB/s | ours p50 / p99 ms | raw GiB/s | raw p50 / p99 ms | vs raw |")
