@@ -131,7 +131,7 @@ def test_a_tensor_described_otherwise_than_its_metadata_is_corrupt(old: bytes, n
     original = _raw(store.store, key)
     assert original.count(old) == 1
     with pytest.raises(KVGroupsError, match="entry tensor is described as"):
-        decode_entry(original.replace(old, new), store._info(store.keys(TOKENS)[0], 0, 0))
+        decode_entry(original.replace(old, new), store.entry_info(store.keys(TOKENS)[0], 0, 0))
     store.close()
 
 
@@ -294,7 +294,7 @@ def test_a_full_disk_evicts_and_saves_go_on(small_filesystem: Path, caplog: pyte
             assert store.flush(timeout=30)
         assert store.stats.failed_saves == 0 and store.stats.saved_chunks == 64
         assert files.evictions > 0  # the disk filled, older entries went, every save landed
-        newest = decode_entry(_raw(store.store, store.entry_key(keys[-1], 0)), store._info(keys[-1], 0, 63))
+        newest = decode_entry(_raw(store.store, store.entry_key(keys[-1], 0)), store.entry_info(keys[-1], 0, 63))
         assert torch.equal(newest, chunk_tensors(store, tokens, 63)[0])
 
 

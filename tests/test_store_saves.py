@@ -39,7 +39,7 @@ def test_saves_never_block_on_a_slow_store() -> None:
     metadata = build_metadata([("full", 0), ("recurrent", 0)], num_kv_heads=8)
     slow = SlowStore(seconds=30)
     tokens = list(range(8 * 20))
-    one_chunk = sum(info.tensor_bytes for info in (KVChunkStore(metadata, MemoryStore())._info("k", group, 0)
+    one_chunk = sum(info.tensor_bytes for info in (KVChunkStore(metadata, MemoryStore()).entry_info("k", group, 0)
                                                     for group in range(2)))
     store = KVChunkStore(metadata, slow, max_pending_bytes=5 * one_chunk)
     keys = store.keys(tokens)

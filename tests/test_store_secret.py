@@ -45,7 +45,7 @@ def test_a_forged_entry_is_served_without_a_secret_and_missed_with_one() -> None
         store = KVChunkStore(metadata, shared, secret=secret)
         keys = saved(store)
         victim = store.entry_key(keys[1], 0)
-        shared.put(victim, forge(shared.get(victim) or b"", store._info(keys[1], 0, 1)))
+        shared.put(victim, forge(shared.get(victim) or b"", store.entry_info(keys[1], 0, 1)))
         loaded = store.load(TOKENS, store.lookup(TOKENS))
         if served:  # the documented limit: without a secret, whoever can write the store changes answers
             assert loaded.num_tokens == 24 and bool((loaded.groups[0].tensor[:, :, 8:16] == 7).all())

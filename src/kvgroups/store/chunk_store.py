@@ -110,7 +110,8 @@ class KVChunkStore:
         """The chunks group ``group_index`` needs to continue after ``num_chunks`` full chunks."""
         return needed_chunks(self.groups[group_index].spec, num_chunks, self.chunk_size)
 
-    def _info(self, key: str, group_index: int, chunk_index: int) -> EntryInfo:
+    def entry_info(self, key: str, group_index: int, chunk_index: int) -> EntryInfo:
+        """What group ``group_index``'s entry of chunk ``chunk_index`` (prefix key ``key``) must be."""
         group = self.groups[group_index]
         return EntryInfo(
             key=self.entry_key(key, group_index), fingerprint=self.fingerprint, group_index=group_index,
@@ -174,7 +175,7 @@ class KVChunkStore:
         if bad_groups:
             raise KVGroupsError(f"save names groups {bad_groups}; these {len(self.groups)} groups are 0.."
                                 f"{len(self.groups) - 1}")
-        infos = [self._info(key, index, chunk_index) for index in sorted(tensors)]
+        infos = [self.entry_info(key, index, chunk_index) for index in sorted(tensors)]
         for info in infos:
             check_tensor(tensors[info.group_index], info)
         available = self._backoff.available()
@@ -297,7 +298,7 @@ class KVChunkStore:
         is bad, or the read fails."""
         num_chunks = len(keys)
         wanted = [
-            self._info(keys[chunk], group, chunk)
+            self.entry_info(keys[chunk], group, chunk)
             for group in range(len(self.groups)) for chunk in self.needed_chunks(group, num_chunks)
         ]
         try:
@@ -318,14 +319,18 @@ class KVChunkStore:
                 self.stats.bytes_read[info.group_index] += len(value)
             except CorruptEntryError as error:
                 whole = False
-                self.stats.corrupt_entries += 1
-                self.store.record_error(error)
-                self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
-                                  self.store.url, self.stats.corrupt_entries, error)
-                # If the delete fails it stays unusable all the same: every read checks it again.
-                with contextlib.suppress(OSError):
-                    self.store.delete(info.key)
+                self.discard_corrupt(info, error)
         return tensors if whole else None
+
+    def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError) -> None:
+        """An entry read as ``info`` did not check out: count it, say so (rate-limited) and delete it."""
+        self.stats.corrupt_entries += 1
+        self.store.record_error(error)
+        self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
+                          self.store.url, self.stats.corrupt_entries, error)
+        # If the delete fails it stays unusable all the same: every read checks it again.
+        with contextlib.suppress(OSError):
+            self.store.delete(info.key)
 
     # --- lifetime -------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> bool:

@@ -11,13 +11,12 @@ counted in the chunk store's stats; a store that fails is left alone for a while
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
 from kvgroups.store.chunk_store import KVChunkStore
-from kvgroups.store.codec import CorruptEntryError, EntryInfo, view_entry
+from kvgroups.store.codec import CorruptEntryError, view_entry
 from kvgroups.store.health import Backoff, RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -31,22 +30,16 @@ class EntryReader:
         self._log = RateLimitedLog(logger)
         self._backoff = Backoff(store.store.url, self._log)
 
-    def info(self, key: str, group_index: int, chunk_index: int) -> EntryInfo:
-        """What group ``group_index``'s entry of chunk ``chunk_index`` (prefix key ``key``) must be."""
-        group = self.store.groups[group_index]
-        return EntryInfo(key=self.store.entry_key(key, group_index), fingerprint=self.store.fingerprint,
-                         group_index=group_index, chunk_index=chunk_index, dtype=group.dtype,
-                         shape=tuple(group.chunk_shape(self.store.chunk_size)))
-
     def buffer(self) -> bytearray:
         """A buffer that holds any one entry of the store's groups (and one byte more, to see a longer value)."""
-        return bytearray(max(self.info("", group, 0).max_entry_bytes for group in range(len(self.store.groups))) + 1)
+        groups = range(len(self.store.groups))
+        return bytearray(max(self.store.entry_info("", group, 0).max_entry_bytes for group in groups) + 1)
 
     def read(self, key: str, group_index: int, chunk_index: int, buffer: bytearray) -> torch.Tensor | None:
         """The entry's tensor, a view of ``buffer`` (an encrypted entry's plaintext is new memory): use
         it before reading the next entry into the same buffer. None when it is missing, corrupt
         (then deleted) or the store fails."""
-        info = self.info(key, group_index, chunk_index)
+        info = self.store.entry_info(key, group_index, chunk_index)
         if not self._backoff.available():
             return None
         stats, byte_store = self.store.stats, self.store.store
@@ -63,13 +56,7 @@ class EntryReader:
         try:
             tensor = view_entry(value, info, secret=self.store.secret)
         except CorruptEntryError as error:
-            stats.corrupt_entries += 1
-            byte_store.record_error(error)
-            self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
-                              self.store.store.url, stats.corrupt_entries, error)
-            # If the delete fails it stays unusable all the same: every read checks it again.
-            with contextlib.suppress(OSError):
-                byte_store.delete(info.key)
+            self.store.discard_corrupt(info, error)
             return None
         stats.bytes_read[group_index] += len(value)
         return tensor
