@@ -69,6 +69,7 @@ bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/groups.py
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/macs.py
 	$(BIN)/python benchmarks/reuse.py
 	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py
