@@ -43,9 +43,13 @@ class RedisClusterStore(RespStore):
         kwargs = settings.connection_kwargs()
         for name in ("host", "port", "db", "path"):
             kwargs.pop(name, None)
+        # One retry of a command that met a cluster error (a moved slot, a failover), after 10-20 ms:
+        # spelled out because redis-py's default wait changed between versions (up to 2 s in 6.x).
+        retry = importlib.import_module("redis.retry").Retry(
+            importlib.import_module("redis.backoff").ExponentialWithJitterBackoff(base=0.01, cap=1.0), retries=1)
         self._client = cluster.RedisCluster(
             startup_nodes=[cluster.ClusterNode(host, port) for host, port in settings.nodes],
-            require_full_coverage=False, cluster_error_retry_attempts=1, max_connections=settings.max_connections,
+            require_full_coverage=False, retry=retry, max_connections=settings.max_connections,
             ssl=settings.tls, **kwargs)
         self._redis = redis
         # What a data-path job of one master can fail with: a miss for that job, never for the others.
