@@ -130,6 +130,7 @@ def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp
     # corrupt and reported its blocks, vLLM recomputed them (it still counts them as cached: it sets
     # that at admission), with the same output.
     assert cached(second[1]) == [256] and outputs(second[1]) == expected["y"]
+    assert y_first_chunk in second[1]["store_keys"]  # the recompute saved it again
     assert cached(second[2]) == [0] and outputs(second[2]) == expected["x"]  # another cache salt
     assert cached(second[3]) == [256] and outputs(second[3]) != expected["z"]  # the loaded KV is what is used
 
