@@ -1,8 +1,9 @@
 """vLLM engines with the connector, each in a fresh process: the second reuses what the first stored.
 
 Tiny random-weight models saved here; greedy with logprobs; vLLM's own prefix cache off, so every
-cached token is the connector's. Outputs are compared with a run without the connector in the
-same execution mode (vLLM's in-process and multiprocess engines differ in float rounding).
+cached token is the connector's. Outputs are compared with a run without the connector (for the
+multiprocess test, with its first engine's misses) in the same execution mode (vLLM's in-process
+and multiprocess engines differ in float rounding).
 """
 
 from __future__ import annotations
