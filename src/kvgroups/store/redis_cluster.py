@@ -43,8 +43,8 @@ class RedisClusterStore(RespStore):
         kwargs = settings.connection_kwargs()
         for name in ("host", "port", "db", "path"):
             kwargs.pop(name, None)
-        # One retry of a command that met a cluster error (a moved slot, a failover), after 10-20 ms:
-        # spelled out because redis-py's default wait changed between versions (up to 2 s in 6.x).
+        # One retry of a command that met a cluster error (a moved slot, a failover), after at most
+        # 20 ms: spelled out because redis-py's default wait has changed between versions.
         retry = importlib.import_module("redis.retry").Retry(
             importlib.import_module("redis.backoff").ExponentialWithJitterBackoff(base=0.01, cap=1.0), retries=1)
         self._client = cluster.RedisCluster(
