@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64
 MODEL_NAME = "tiny-gemma3"
 DOCS = ROOT / "docs" / "metrics.md"
+# How vLLM's periodic stats log line begins once a connector reports stats.
+STATS_LINE = "KV Transfer metrics: hit_rate="
 
 
 def _tokens(seed: int, length: int) -> list[int]:
@@ -123,19 +125,17 @@ def log_keys(line: str) -> list[str]:
     return re.findall(r"(\w+)=", line.split("KV Transfer metrics:", 1)[1])
 
 
-def wait_for_log_line(log: Path, text: str) -> None:
-    """Until the server's log has ``text`` (vLLM logs its stats every VLLM_LOG_STATS_INTERVAL seconds)."""
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` for up to a minute; fail saying ``what`` never happened."""
     deadline = time.monotonic() + 60
-    while text not in log.read_text():
-        assert time.monotonic() < deadline, f"vLLM never logged {text!r}"
-        time.sleep(0.5)
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.2)
 
 
 def wait_for_entries(directory: Path, count: int) -> None:
-    deadline = time.monotonic() + 60
-    while FileStore(directory, create=False).stats().entries < count:
-        assert time.monotonic() < deadline, f"the saves never reached {count} entries"
-        time.sleep(0.2)
+    wait_until(lambda: FileStore(directory, create=False).stats().entries >= count,
+               f"the saves reaching {count} entries")
 
 
 def test_vllm_serve_reuses_a_prefix_and_reports_it(tmp_path: Path, gemma3_dir: Path) -> None:
@@ -158,11 +158,12 @@ def test_vllm_serve_reuses_a_prefix_and_reports_it(tmp_path: Path, gemma3_dir: P
         wait_for_entries(store_dir, 9 * 2)  # and its own 4th chunk saved
         complete(base, _tokens(4, 10))  # a step after the saves, so the workers report them
         lines = kvgroups_lines(base)
-        wait_for_log_line(tmp_path / "serve.log", "KV Transfer metrics: hit_rate=")
+        # vLLM logs its stats every VLLM_LOG_STATS_INTERVAL seconds.
+        wait_until(lambda: STATS_LINE in (tmp_path / "serve.log").read_text(), f"vLLM logging {STATS_LINE!r}")
     # vLLM's periodic log line shows ours: what docs/metrics.md shows, over the intervals it logged.
     documented_log, documented = documented_blocks()
     logged = [line for line in (tmp_path / "serve.log").read_text().splitlines()
-              if "KV Transfer metrics: hit_rate=" in line]
+              if STATS_LINE in line]
     assert logged and set(log_keys(documented_log)) <= {key for line in logged for key in log_keys(line)}
     assert sum(int(re.search(r"hit_tokens=(\d+)", line)[1]) for line in logged) == 3 * CHUNK  # type: ignore[index]
     # Three lookups of the long prompts' 4 full chunks (the short one has none to look up).
