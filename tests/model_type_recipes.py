@@ -71,6 +71,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen2": dict(use_sliding_window=True, max_window_layers=2,
                   layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"]),
     "gemma2": dict(query_pre_attn_scalar=16),
+    # Values of their own head size (MiMo-V2-Flash's 192 / 128): reuse verified with the pair unpadded.
+    "mimo_v2_flash": dict(v_head_dim=8),
     "gemma3_text": dict(query_pre_attn_scalar=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "phi3": dict(head_dim=None),
     "qwen3_next": dict(layer_types=["linear_attention"] * 3 + ["full_attention"]),

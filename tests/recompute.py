@@ -42,7 +42,9 @@ def exact(count: int, tp: int) -> int:
 
 
 def attention(kv: int, k_head: int, tp: int, kv_bytes: int, v_head: int | None = None) -> int:
-    return heads(kv, tp) * 2 * max(k_head, v_head or k_head) * kv_bytes
+    # Values of their own head size are counted as vLLM stores them (keys, then values, unpadded), the
+    # layout inspect plans such a model in by default.
+    return heads(kv, tp) * (k_head + (v_head or k_head)) * kv_bytes
 
 
 def mamba1(inner: int, state: int, kernel: int, tp: int, conv_b: int, ssm_b: int) -> int:

@@ -57,9 +57,11 @@ def test_explicit_layout_with_wrong_rank_or_kv_axis() -> None:
 
 
 def test_kv_pair_that_differs() -> None:
-    k, v = meta(4, 16, 2, 8), meta(4, 16, 2, 16)
-    with pytest.raises(KVGroupsError, match=r"layer 0 'l0'.*K Tensor\[4, 16, 2, 8\].*V Tensor\[4, 16, 2, 16\]"):
+    # Values of another head size than keys are a pair of their own (MiMo-V2); any other difference is refused.
+    k, v = meta(4, 16, 2, 8), meta(4, 16, 3, 8)
+    with pytest.raises(KVGroupsError, match=r"layer 0 'l0'.*K Tensor\[4, 16, 2, 8\].*V Tensor\[4, 16, 3, 8\]"):
         build({"l0": (k, v)})
+    assert build({"l0": (k, meta(4, 16, 2, 16))}).kv_layer_groups[0].value_head_size == 16
     with pytest.raises(KVGroupsError, match=r"'l0'.*differ"):
         build({"l0": (k, meta(4, 16, 2, 8, dtype=torch.float16))})
 

@@ -176,3 +176,30 @@ def test_anchors_of_the_families_the_sweep_verified() -> None:
     groups = inspect(CONFIGS["fixture:exaone-4.0-32b"], 1, "bfloat16")["groups"]
     assert [(group["kind"], group["num_layers"]) for group in groups] == [("sliding_window", 48),
                                                                           ("full_attention", 16)]
+
+
+def test_mimo_v2_flash_is_planned_as_vllm_stores_it_and_padded_only_where_a_layout_pads() -> None:
+    """MiMo-V2-Flash's published config: keys of 192 dims, values of 128. vLLM's pages hold
+    ``head_size + head_size_v`` per token and head: 9 full layers x 4 heads x 320 x 2 B and 39 sliding
+    layers x 8 heads x 320 x 2 B; a layout of one head size pads the values to 192."""
+    spec = model_spec_from_config(load_model_config("mimo-v2-flash").config)
+    report = inspect_model(spec, "mimo", EngineParams()).to_dict()
+    assert report["engine"]["layout"] == "vllm" and report["warnings"] == []
+    rows = [(group["kind"], group["num_layers"], group["num_kv_heads"], group["head_size"], group["value_head_size"],
+             group["values_padded_from"], group["bytes_per_token"], group["chunk_shape"]) for group in report["groups"]]
+    assert rows == [("full_attention", 9, 4, 192, 128, None, 23_040, [1, 9, 256, 4 * 320]),
+                    ("sliding_window", 39, 8, 192, 128, None, 199_680, [1, 39, 256, 8 * 320])]
+    assert report["groups"][0]["tensor_shape"] == [16, 4, 16, 320]
+    assert report["totals"]["bytes_per_token_per_rank"] == 23_040 + 199_680
+
+    padded = inspect_model(spec, "mimo", EngineParams(layout=KVLayout.FLASH_ATTN)).to_dict()
+    assert [(group["head_size"], group["value_head_size"], group["values_padded_from"], group["bytes_per_token"])
+            for group in padded["groups"]] == [(192, 192, 128, 27_648), (192, 192, 128, 239_616)]
+    assert padded["warnings"] == [
+        "layout flash_attn holds keys and values in one head size: the values of layers 0-47 (128 dims) are counted "
+        "padded to the keys' size; vLLM stores them unpadded (--layout vllm, the default for this model)"]
+
+    pairs = inspect_model(spec, "mimo", EngineParams(layout=KVLayout.KV_SPLIT_HND, tp=4)).to_dict()
+    assert [(group["tensor_shape"], group["bytes_per_token"]) for group in pairs["groups"]] == [
+        ([16, 1, 16, 192], 9 * 1 * 320 * 2), ([16, 2, 16, 192], 39 * 2 * 320 * 2)]
+    assert pairs["metadata"]["kv_layer_groups_manager"]["groups"][0]["value_head_size"] == 128

@@ -78,6 +78,24 @@ def test_a_shared_prefix_is_reused_and_the_answer_is_the_recomputed_one(model_ty
         assert_same_answer(model, cache, second, result.logits, exact=model_type == "llama")
 
 
+def test_keys_and_values_of_their_own_head_sizes_are_stored_unpadded() -> None:
+    """MiMo-V2-Flash's layers cache keys of one head size and values of another (here 24 / 16): one
+    group per kind, each chunk row a token's keys then its values, and the answer the recomputed one."""
+    model = tiny_model("mimo_v2_flash")
+    with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
+        assert [(group.kind.value, group.num_heads, group.head_size, group.value_head_size,
+                 list(group.chunk_shape(CHUNK))) for group in cache.groups] == [
+            ("full_attention", 2, 24, 16, [1, 2, CHUNK, 2 * (24 + 16)]),
+            ("sliding_window", 4, 24, 16, [1, 2, CHUNK, 4 * (24 + 16)])]
+        generator = torch.Generator().manual_seed(7)
+        long = torch.randint(3, 256, (72,), generator=generator)  # past the window of 16
+        cache.prefill(long)
+        cache.flush()
+        result = cache.prefill(long[:70])
+        assert (result.reused_tokens, result.computed_tokens) == (64, 6)
+        assert_same_answer(model, cache, long[:70], result.logits)
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_llama_is_exact(attention: str) -> None:
     model = tiny_model("llama", attention=attention)

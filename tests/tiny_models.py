@@ -59,6 +59,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    num_attention_heads=None, num_key_value_heads=None, intermediate_size=None),
     "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
                  block_auto_adjust_ff_dim=False, block_multiple_of=16),
+    # Keys of 24 dims, values of 16 (MiMo-V2-Flash's 192 / 128): held unpadded, sliding layers with twice the heads.
+    "mimo_v2_flash": dict(head_dim=24, v_head_dim=16, sliding_window=WINDOW + 1,
+                          layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                          mlp_layer_types=["dense"] * 4, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32),
     # Refused: continuing its mamba (v1) layers from a restored state differs from recomputing.
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,

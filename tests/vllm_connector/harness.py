@@ -40,14 +40,18 @@ from kvgroups.integrations.vllm.stats import KVGroupsConnectorStats
 from kvgroups.integrations.vllm.worker_side import WorkerSide
 
 HEADS, HEAD_SIZE, DTYPE = 2, 32, torch.float32
+# Keys and values of their own head sizes (vLLM's diff-KV pages, MiMo-V2's 192 / 128), as large as a K/V page.
+DIFF_KEYS, DIFF_VALUES = 40, 24
 MLA_HEAD_SIZE = HEADS * 2 * HEAD_SIZE  # one latent row per token, as large as a token's K and V rows
 STATE_SHAPES = ((3, 16), (2, 8, 8))  # a conv and an SSM state, per sequence
 MAX_MODEL_LEN = 1024
 
 
 def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str = "none") -> list[KVCacheGroupSpec]:
-    """One vLLM group of two layers per kind ("sliding", "full", "mla", "mamba"), layer names interleaved."""
-    attention = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+    """One vLLM group of two layers per kind ("sliding", "full", "diffkv_sliding", "diffkv_full", "mla", "mamba"),
+    layer names interleaved."""
+    attention: dict[str, Any] = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+    diff_kv = {**attention, "head_size": DIFF_KEYS, "head_size_v": DIFF_VALUES}
     page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
     groups = []
     for position, kind in enumerate(kinds):
@@ -56,6 +60,10 @@ def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str 
             spec: Any = SlidingWindowSpec(sliding_window=window, **attention)
         elif kind == "full":
             spec = FullAttentionSpec(**attention)
+        elif kind == "diffkv_sliding":
+            spec = SlidingWindowSpec(sliding_window=window, **diff_kv)
+        elif kind == "diffkv_full":
+            spec = FullAttentionSpec(**diff_kv)
         elif kind == "mla":
             spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_HEAD_SIZE, dtype=DTYPE)
         else:
@@ -231,8 +239,8 @@ class FakeWorker:
                 elif isinstance(spec, MLAAttentionSpec):  # one latent row per token, no head axis to order
                     caches[name] = raw.view(DTYPE).view(num_blocks, 1, spec.block_size, MLA_HEAD_SIZE)
                 elif layout is KVLayout.VLLM:  # GPU backends: tokens outside heads in memory (LBNHC)
-                    caches[name] = raw.view(DTYPE).view(num_blocks, spec.block_size, HEADS, 2 * HEAD_SIZE
-                                                        ).permute(0, 2, 1, 3)
+                    width = spec.head_size + spec.head_size_v  # 2 * HEAD_SIZE, or a diff-KV page's K + V
+                    caches[name] = raw.view(DTYPE).view(num_blocks, spec.block_size, HEADS, width).permute(0, 2, 1, 3)
                 else:
                     caches[name] = raw.view(DTYPE).view(num_blocks, HEADS, spec.block_size, 2 * HEAD_SIZE)
         return caches

@@ -25,6 +25,8 @@ from kvgroups.integrations.vllm.settings import ConnectorConfigError, ConnectorS
 from kvgroups.store import FileStore
 from tests.servers import running_server
 from tests.vllm_connector.harness import (
+    DIFF_KEYS,
+    DIFF_VALUES,
     DTYPE,
     STATE_SHAPES,
     FakeWorker,
@@ -374,6 +376,52 @@ def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path,
     data[header:] = bytes(255 - byte for byte in data[header:])
     weights.write_bytes(bytes(data))
     assert model_identity(vllm_config(copy, extra)) != original
+
+
+def test_diff_kv_pages_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's diff-KV pages (MiMo-V2): ``[num_blocks, heads, block_size, head_size + head_size_v]``, K rows of
+    40 then V rows of 24 per (block, head, token), sliding and full groups, moved and stored unpadded."""
+    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: KVLayout.VLLM)
+    tokens, extra, kinds = prompt(100), file_store(tmp_path), ["diffkv_sliding", "diffkv_full"]
+    first, steps = fill(gemma3_dir, extra, kinds, tokens, layout=KVLayout.VLLM)
+    (save,) = steps[0].metadata.saves
+    assert [(group.head_size, group.value_head_size, group.chunk_shape(CHUNK)) for group in first.deployment.groups] \
+        == [(DIFF_KEYS, DIFF_VALUES, torch.Size([1, 2, CHUNK, 2 * (DIFF_KEYS + DIFF_VALUES)]))] * 2
+    harness, second = fresh(gemma3_dir, extra, kinds, layout=KVLayout.VLLM)
+    harness.add("reuse", tokens)
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 96 and (load.num_tokens, load.local_tokens) == (96, 0)
+    # Entries hold no padding: 2 layers x 2 heads x (40 + 24) float32 per token, plus each entry's header.
+    assert second.side.store is not None
+    sliding_bytes, full_bytes = second.side.store.stats.bytes_read
+    assert 32 * 1024 < sliding_bytes < 33 * 1024 and 96 * 1024 < full_bytes < 99 * 1024
+    # Read the pages directly, K and V parts alike: the second engine's blocks hold the first one's bytes.
+    for group, (old_ids, new_ids) in enumerate(zip(save.block_ids, load.block_ids, strict=True)):
+        positions = range(64, 96) if group == 0 else range(96)
+        for name in harness.kv_cache_config.kv_cache_groups[group].layer_names:
+            old = torch.stack([first.caches[name][old_ids[p // 16], :, p % 16] for p in positions])
+            new = torch.stack([second.caches[name][new_ids[p // 16], :, p % 16] for p in positions])
+            assert new.shape == (len(positions), 2, DIFF_KEYS + DIFF_VALUES)
+            assert torch.equal(new.view(torch.uint8), old.view(torch.uint8))
+
+
+def test_diff_kv_pages_are_refused_where_no_backend_writes_them(gemma3_dir: Path, tmp_path: Path) -> None:
+    config = vllm_config(gemma3_dir, file_store(tmp_path))
+    refused = (r"layer 'model.layers.0.attn' \(FullAttentionSpec\): values of 24 elements per head differ from keys of "
+               r"40, and layout vllm_cpu has no such pages")
+    with pytest.raises(UnsupportedCacheError, match=refused):
+        Deployment(config, cache_config(["diffkv_full"]), layout=KVLayout.VLLM_CPU)
+    gpu = Deployment(config, cache_config(["diffkv_full"]), layout=KVLayout.VLLM)
+    names = list(gpu.plan.layers)
+    for backend in ("FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV"):
+        check_backends(gpu.plan, dict.fromkeys(names, SimpleNamespace(attn_backend=SimpleNamespace(
+            get_name=lambda backend=backend: backend))))
+    unknown = (r"model.layers.0.attn: backend FLASH_ATTN for values of another head size than keys \(known: "
+               r"FLASH_ATTN_DIFFKV, TRITON_ATTN_DIFFKV\)")
+    with pytest.raises(UnsupportedCacheError, match=unknown):
+        check_backends(gpu.plan, dict.fromkeys(names, SimpleNamespace(attn_backend=SimpleNamespace(
+            get_name=lambda: "FLASH_ATTN"))))
 
 
 def test_backends_whose_pages_are_not_checked_are_refused(gemma3_dir: Path, tmp_path: Path) -> None:

@@ -44,8 +44,9 @@ def add_inspect_commands(commands: Any) -> None:
     inspect.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (default 1)")
     inspect.add_argument("--rank", type=non_negative_int, default=0, help="rank to describe (default 0)")
     inspect.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
-    inspect.add_argument("--layout", choices=sorted(LAYOUTS), default="flash-attn",
-                         help="engine cache layout (default flash-attn)")
+    inspect.add_argument("--layout", choices=sorted(LAYOUTS),
+                         help="engine cache layout; a model whose values differ from its keys in head size gets "
+                              "vllm, which stores them unpadded (default flash-attn)")
     inspect.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto",
                          help="KV cache dtype; auto = the config's torch_dtype; fp8 = float8_e4m3fn (default auto)")
     inspect.add_argument("--state-dtype", choices=list(STATE_DTYPE_CHOICES), default="auto",
@@ -78,7 +79,8 @@ def inspect_report(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model_config(args.model)
     spec = model_spec_from_config(loaded.config, assume=args.assume)
     params = EngineParams(
-        tp=args.tp, rank=args.rank, block_size=args.block_size, layout=LAYOUTS[args.layout],
+        tp=args.tp, rank=args.rank, block_size=args.block_size,
+        layout=None if args.layout is None else LAYOUTS[args.layout],
         kv_dtype=KV_DTYPES[args.kv_dtype], state_dtype=STATE_DTYPE_CHOICES[args.state_dtype],
         conv_state_dtype=STATE_DTYPE_CHOICES[args.conv_state_dtype],
         ssm_state_dtype=STATE_DTYPE_CHOICES[args.ssm_state_dtype], chunk_size=args.chunk_size,

@@ -47,9 +47,19 @@ def _shape(group: dict[str, Any]) -> str:
     if group["kind"] == "recurrent":
         states = " + ".join("x".join(map(str, state)) for state in group["spec"]["state_shapes"])
         return f"{shape} ({states})"
+    if group["value_head_size"] != group["head_size"]:  # keys and values of their own head sizes
+        sizes = f"({group['head_size']}+{group['value_head_size']})"
+        return f"K {shape} + V [..., {group['value_head_size']}]" if group["tensors_per_layer"] == 2 else (
+            f"{shape} {sizes}")
     if group["tensors_per_layer"] == 2:
         return f"2 x {shape}"
     return shape
+
+
+def _hidden(group: dict[str, Any]) -> str:
+    if group["value_hidden_dim_size"] != group["hidden_dim_size"]:
+        return f"{_number(group['hidden_dim_size'])}+{_number(group['value_hidden_dim_size'])}"
+    return _number(group["hidden_dim_size"])
 
 
 def _layers(model_layers: list[int], total_layers: int) -> str:
@@ -90,7 +100,7 @@ def render_inspect(report: dict[str, Any], console: Console) -> None:
     for group in report["groups"]:
         table.add_row(
             str(group["index"]), _layers(group["model_layers"], report["layers"]["total"]), kind_text(group),
-            _shape(group), group["dtype"], _number(group["hidden_dim_size"]), _number(group["bytes_per_token"]),
+            _shape(group), group["dtype"], _hidden(group), _number(group["bytes_per_token"]),
             _number(group["bytes_per_sequence"]), "[" + ", ".join(map(str, group["chunk_shape"])) + "]",
             _number(group["chunk_bytes"]),
         )

@@ -32,6 +32,7 @@ class GroupReport:
     group: KVLayerGroupInfo
     model_layers: tuple[int, ...]
     holds: str
+    values_padded_from: int | None  # the values' own head size, where the layout pads them to the keys'
     chunk_shape: torch.Size
     bytes_per_token: int
     bytes_per_sequence: int
@@ -54,7 +55,10 @@ class GroupReport:
             "dtype": dtype_name(group.dtype),
             "num_kv_heads": group.num_heads,
             "head_size": group.head_size,
+            "value_head_size": group.value_head_size or group.head_size,
+            "values_padded_from": self.values_padded_from,
             "hidden_dim_size": group.hidden_dim_size,
+            "value_hidden_dim_size": group.value_hidden_dim_size,
             "bytes_per_token": self.bytes_per_token,
             "bytes_per_sequence": self.bytes_per_sequence,
             "chunk_shape": list(self.chunk_shape),
@@ -169,7 +173,7 @@ class Report:
             "model_type": self.model.model_type,
             "max_position_embeddings": self.model.max_position_embeddings,
             "engine": {
-                "tp": tp, "rank": params.rank, "block_size": params.block_size, "layout": params.layout.value,
+                "tp": tp, "rank": params.rank, "block_size": params.block_size, "layout": self.build.layout.value,
                 "kv_dtype": dtype_name(dtypes.kv), "state_dtype": _name_or_none(dtypes.state),
                 "conv_state_dtype": _name_or_none(dtypes.conv_state),
                 "ssm_state_dtype": _name_or_none(dtypes.ssm_state),
@@ -205,6 +209,8 @@ def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
             group=group,
             model_layers=tuple(build.model_layer_of[name] for name in group.layer_names),
             holds=", ".join(dict.fromkeys(build.holds_of[name] for name in group.layer_names)),
+            values_padded_from=next((build.padded_values_of[name] for name in group.layer_names
+                                     if name in build.padded_values_of), None),
             chunk_shape=chunk_shape,
             bytes_per_token=group.bytes_per_token,
             bytes_per_sequence=group.bytes_per_sequence,
@@ -221,6 +227,14 @@ def _engine_warnings(spec: ModelSpec, params: EngineParams, build: RankBuild) ->
         warnings.append(f"--tokens {params.tokens} is beyond the model's context (max_position_embeddings {limit})")
     if build.cross_attention is None and (params.images or params.image_tokens is not None):
         warnings.append("--images / --image-tokens ignored: the model has no cross-attention layers")
+    padded = sorted({(build.padded_values_of[name], build.model_layer_of[name]) for name in build.padded_values_of})
+    if padded:
+        sizes = sorted({size for size, _ in padded})
+        warnings.append(
+            f"layout {build.layout.value} holds keys and values in one head size: the values of layers "
+            f"{compact_ranges([layer for _, layer in padded])} ({'/'.join(map(str, sizes))} dims) are counted padded "
+            f"to the keys' size; vLLM stores them unpadded (--layout vllm, the default for this model)"
+        )
     return warnings
 
 

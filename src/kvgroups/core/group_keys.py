@@ -16,7 +16,7 @@ import torch
 
 from kvgroups.core.cache_specs import LayerCacheSpec, default_spec
 from kvgroups.core.formatting import describe_value
-from kvgroups.core.layouts import Axis, KVLayout, detect_layout, layout_from_shape
+from kvgroups.core.layouts import Axis, KVLayout, detect_layout, geometry, layout_from_shape
 from kvgroups.errors import KVGroupsError
 
 Tensors = tuple[torch.Tensor, ...]
@@ -30,13 +30,16 @@ class GroupKey:
     state_elements]``): it includes num_blocks, because layers with a different number of blocks
     cannot share one slot mapping. ``dtype`` is what a chunk's bytes are read as. ``layout`` says
     where a token's rows sit in the tensor. ``spec`` says which tokens a layer keeps, because the
-    rules for reusing a full, sliding, chunked, MLA or recurrent cache differ.
+    rules for reusing a full, sliding, chunked, MLA or recurrent cache differ. ``value_head_size``
+    is the values' head size where it differs from the keys' (None: the same); a ``(k, v)`` pair's
+    ``shape`` is then the keys'.
     """
 
     shape: torch.Size
     dtype: torch.dtype
     layout: KVLayout
     spec: LayerCacheSpec
+    value_head_size: int | None = None
 
     @property
     def tensors_per_layer(self) -> int:
@@ -48,7 +51,16 @@ class GroupKey:
         if not self.spec.token_indexed:
             shapes = ", ".join(f"[{self.shape[0]}, {', '.join(map(str, shape))}]" for shape in self.spec.state_shapes)
             return f"{len(self.spec.state_shapes)} state tensor(s) {shapes} {self.dtype}"
-        return f"{self.tensors_per_layer} tensor(s) {list(self.shape)} {self.dtype} in layout {self.layout.value}"
+        values = f" (values of head size {self.value_head_size})" if self.value_head_size is not None else ""
+        return (f"{self.tensors_per_layer} tensor(s) {list(self.shape)} {self.dtype} in layout {self.layout.value}"
+                f"{values}")
+
+    @property
+    def tensor_shapes(self) -> tuple[torch.Size, ...]:
+        """The shape of each tensor of a token-indexed layer (a pair's V tensor may differ in its last axis)."""
+        if self.tensors_per_layer == 2 and self.value_head_size is not None:
+            return self.shape, torch.Size([*self.shape[:-1], self.value_head_size])
+        return (self.shape,) * self.tensors_per_layer
 
 
 class LayerTypeError(TypeError):
@@ -68,16 +80,20 @@ def as_tensors(value: object) -> Tensors | None:
     return None
 
 
-def layer_key(value: object, layout: KVLayout | None, spec: LayerCacheSpec | None) -> tuple[GroupKey, Tensors]:
+def layer_key(value: object, layout: KVLayout | None, spec: LayerCacheSpec | None,
+              value_head_size: int | None = None) -> tuple[GroupKey, Tensors]:
     """The grouping key of one layer's cache value, and the value as tensors.
 
     ``layout`` None is detected from the value; ``spec`` None is the layout's default (MLA for
-    MLA caches, full attention otherwise). Raises :class:`LayerTypeError` or
+    MLA caches, full attention otherwise). ``value_head_size`` says where a vLLM page's keys end
+    (a ``(k, v)`` pair shows it in its V tensor). Raises :class:`LayerTypeError` or
     :class:`LayerValueError`; the caller says which layer.
     """
     if spec is not None and not spec.token_indexed:
         if layout not in (None, KVLayout.RECURRENT):
             raise LayerValueError(f"a recurrent layer cannot be given layout {layout.value}")
+        if value_head_size is not None:
+            raise LayerValueError(f"a recurrent layer has no values, got value_head_size={value_head_size!r}")
         states = _states(value, spec)
         first = states[0]
         shape = torch.Size([first.shape[0], spec.state_elements])
@@ -93,13 +109,25 @@ def layer_key(value: object, layout: KVLayout | None, spec: LayerCacheSpec | Non
             raise LayerTypeError(f"expected a tensor or a (k, v) pair of tensors, got {describe_value(value)}")
     if layout is KVLayout.RECURRENT:
         raise LayerValueError("layout recurrent needs a RecurrentState spec for the layer")
-    tensors = _kv_pair(value, layout) if layout.tensors_per_layer == 2 else _single_tensor(value, layout)
+    if layout.tensors_per_layer == 2:
+        tensors = _kv_pair(value, layout)
+        paired = int(tensors[1].shape[-1])
+        if value_head_size is not None and value_head_size != paired:
+            raise LayerValueError(f"value_head_size={value_head_size} but the V tensor's head size is {paired}")
+        value_head_size = paired
+    else:
+        tensors = _single_tensor(value, layout, value_head_size)
     if spec is None:
         spec = default_spec(layout)
     elif not spec.accepts_layout(layout):
         raise LayerValueError(f"a {spec.kind.value} layer cannot be stored in layout {layout.value}")
     first = tensors[0]
-    return GroupKey(shape=first.shape, dtype=first.dtype, layout=layout, spec=spec), tensors
+    try:
+        sizes = geometry(layout, first.shape, value_head_size)
+    except KVGroupsError as error:
+        raise LayerValueError(str(error)) from None
+    return GroupKey(shape=first.shape, dtype=first.dtype, layout=layout, spec=spec,
+                    value_head_size=sizes.value_head_size), tensors
 
 
 def check_layer(key: GroupKey, value: object) -> Tensors:
@@ -111,7 +139,7 @@ def check_layer(key: GroupKey, value: object) -> Tensors:
     # The common case, one tensor of the group's shape and dtype, costs a few comparisons.
     if isinstance(value, torch.Tensor) and key.layout.tensors_per_layer == 1:
         if value.shape == key.shape and value.dtype == key.dtype:
-            problem = key.layout.layout_problem(value)
+            problem = key.layout.layout_problem(value, key.value_head_size)
             if problem is None:
                 return (value,)
             raise KVGroupsError(f"is {describe_value(value)}, but {problem}")
@@ -132,7 +160,8 @@ def kv_planes(layout: KVLayout, tensors: Tensors) -> list[tuple[torch.Tensor, in
 def _fits(key: GroupKey, tensors: Tensors) -> bool:
     if key.spec.token_indexed:
         return len(tensors) == key.tensors_per_layer and all(
-            tensor.shape == key.shape and tensor.dtype == key.dtype for tensor in tensors
+            tensor.shape == shape and tensor.dtype == key.dtype
+            for tensor, shape in zip(tensors, key.tensor_shapes, strict=True)
         )
     shapes = key.spec.state_shapes
     return len(tensors) == len(shapes) and all(
@@ -142,7 +171,7 @@ def _fits(key: GroupKey, tensors: Tensors) -> bool:
     )
 
 
-def _single_tensor(value: object, layout: KVLayout) -> Tensors:
+def _single_tensor(value: object, layout: KVLayout, value_head_size: int | None) -> Tensors:
     if not isinstance(value, torch.Tensor):
         raise LayerTypeError(f"layout {layout.value} takes one tensor, got {describe_value(value)}")
     axes = layout.axes
@@ -154,7 +183,7 @@ def _single_tensor(value: object, layout: KVLayout) -> Tensors:
         raise LayerValueError(
             f"shape {list(value.shape)} in layout {layout.value} needs 2 at the K/V axis (dim {axes.index(Axis.KV)})"
         )
-    problem = layout.layout_problem(value)
+    problem = layout.layout_problem(value, value_head_size)
     if problem is not None:
         raise LayerValueError(f"{describe_value(value)} does not fit layout {layout.value}: {problem}")
     return (value,)
@@ -165,10 +194,10 @@ def _kv_pair(value: object, layout: KVLayout) -> Tensors:
     if tensors is None or len(tensors) != 2:
         raise LayerTypeError(f"layout {layout.value} takes a (k, v) pair of tensors, got {describe_value(value)}")
     key, val = tensors
-    if key.shape != val.shape or key.dtype != val.dtype or key.device != val.device:
+    if key.shape[:-1] != val.shape[:-1] or key.dtype != val.dtype or key.device != val.device:
         raise LayerValueError(
             f"K {describe_value(key)} and V {describe_value(val)} differ; "
-            f"K and V of one layer must match in shape, dtype and device"
+            f"K and V of one layer must match in dtype, device and shape (but for the head size)"
         )
     if key.dim() != len(layout.axes):
         raise LayerValueError(

@@ -20,6 +20,7 @@ from kvgroups.core.layouts import KVLayout
 from kvgroups.errors import KVGroupsError
 
 LayoutArg = KVLayout | Mapping[str, KVLayout] | None
+ValueHeadSizeArg = int | Mapping[str, int] | None
 
 PlannedGroup = tuple[GroupKey, list[str], list[int]]
 
@@ -28,6 +29,7 @@ def _check_arguments(
     kv_caches: Mapping[str, Any],
     layer_specs: Mapping[str, LayerCacheSpec] | None,
     layout: LayoutArg,
+    value_head_size: ValueHeadSizeArg = None,
 ) -> None:
     if not isinstance(kv_caches, Mapping):
         raise TypeError(f"kv_caches must be a dict of layer name -> cache, got {type(kv_caches).__name__}")
@@ -59,6 +61,16 @@ def _check_arguments(
             raise TypeError(f"layout values must be KVLayout members; offending {', '.join(bad_layouts)}")
     elif layout is not None and not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a KVLayout, a dict of them, or None; got {layout!r}")
+    sizes = value_head_size if isinstance(value_head_size, Mapping) else {"": value_head_size}
+    if isinstance(value_head_size, Mapping):
+        unknown = [name for name in value_head_size if name not in kv_caches]
+        if unknown:
+            raise KVGroupsError(f"value_head_size names layers that kv_caches lacks: {unknown}")
+    bad_sizes = [f"{name!r}: {size!r}" if name else repr(size) for name, size in sizes.items()
+                 if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1)]
+    if bad_sizes:
+        raise TypeError(f"value_head_size must be a positive int, a dict of them, or None; offending "
+                        f"{', '.join(bad_sizes)}")
 
 
 def _devices(kv_caches: Mapping[str, Any]) -> str:
@@ -75,12 +87,19 @@ def plan_groups(
     kv_caches: Mapping[str, Any],
     layer_specs: Mapping[str, LayerCacheSpec] | None,
     layout: LayoutArg,
+    value_head_size: ValueHeadSizeArg = None,
 ) -> list[PlannedGroup]:
-    """Validate every layer of ``kv_caches`` and bucket them into groups ordered by first layer."""
-    _check_arguments(kv_caches, layer_specs, layout)
+    """Validate every layer of ``kv_caches`` and bucket them into groups ordered by first layer.
+
+    ``value_head_size`` (one for every layer, or per layer name) is the values' head size of
+    layers in a vLLM page layout whose values differ from their keys.
+    """
+    _check_arguments(kv_caches, layer_specs, layout, value_head_size)
     specs = layer_specs or {}
     per_layer = layout if isinstance(layout, Mapping) else None
     every_layer = layout if isinstance(layout, KVLayout) else None
+    value_sizes: Mapping[str, int] = value_head_size if isinstance(value_head_size, Mapping) else {}
+    every_value_size = value_head_size if isinstance(value_head_size, int) else None
     type_errors: list[str] = []
     value_errors: list[str] = []
     buckets: dict[GroupKey, tuple[list[str], list[int]]] = {}
@@ -90,7 +109,9 @@ def plan_groups(
     first_device: torch.device | None = None
     mixed_devices = False
     for index, (name, value) in enumerate(kv_caches.items()):
-        if layout is None and isinstance(value, torch.Tensor) and name not in specs:
+        plain = layout is None and isinstance(value, torch.Tensor) and name not in specs and (
+            every_value_size is None and name not in value_sizes)
+        if plain:
             plain_key = (value.shape, value.dtype)
             bucket = plain_buckets.get(plain_key)
             device = value.device
@@ -102,7 +123,7 @@ def plan_groups(
                 continue
         layer_layout = per_layer.get(name) if per_layer is not None else every_layer
         try:
-            key, tensors = layer_key(value, layer_layout, specs.get(name))
+            key, tensors = layer_key(value, layer_layout, specs.get(name), value_sizes.get(name, every_value_size))
         except LayerTypeError as error:
             type_errors.append(f"layer {index} {name!r}: {error}")
             continue
@@ -119,7 +140,7 @@ def plan_groups(
             bucket = buckets[key] = ([], [])
         bucket[0].append(name)
         bucket[1].append(index)
-        if layout is None and isinstance(value, torch.Tensor) and name not in specs:
+        if plain:
             plain_buckets[(value.shape, value.dtype)] = bucket
     if type_errors:
         raise TypeError("bad KV caches: " + "; ".join(type_errors))

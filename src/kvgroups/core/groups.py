@@ -32,7 +32,10 @@ class KVLayerGroupInfo:
     ``shape`` is one layer's cache tensor shape (for KV_SPLIT layouts: of the K tensor, which
     equals V's; for RECURRENT: ``[num_state_slots, state_elements]``). When ``layout`` is not
     given it is read from ``shape`` as :func:`~kvgroups.core.layouts.detect_layout` does; when ``spec``
-    is not given it is MLA for MLA caches and full attention otherwise.
+    is not given it is MLA for MLA caches and full attention otherwise. ``value_head_size`` is the
+    values' head size where it differs from the keys' (MiMo-V2: 192 / 128), in a layout that holds
+    it unpadded (a ``(k, v)`` pair, whose ``shape`` is then the keys', or a vLLM page of
+    ``head_size + value_head_size``); None where they are equal, as for every LMCache group.
     """
 
     layer_names: list[str]
@@ -41,12 +44,13 @@ class KVLayerGroupInfo:
     dtype: torch.dtype
     layout: KVLayout
     spec: LayerCacheSpec
+    value_head_size: int | None
     # Bumped by every edit; the membership sets remember the version they were built from.
     _version: int = field(default=0, compare=False)
     _sets: tuple[int, set[int], set[str]] = field(default=(-1, set(), set()), compare=False)
     # The managers whose lookup index holds this group (weakly): an edit re-indexes exactly those.
     _managers: tuple[weakref.ref[Owner], ...] = field(default=(), compare=False)
-    _geometry_cache: tuple[torch.Size, KVLayout, CacheGeometry] | None = field(default=None, compare=False)
+    _geometry_cache: tuple[torch.Size, KVLayout, int | None, CacheGeometry] | None = field(default=None, compare=False)
 
     def __init__(
         self,
@@ -56,6 +60,8 @@ class KVLayerGroupInfo:
         dtype: torch.dtype,
         layout: KVLayout | None = None,
         spec: LayerCacheSpec | None = None,
+        *,
+        value_head_size: int | None = None,
     ) -> None:
         names = list(layer_names)
         indices = list(layer_indices)
@@ -89,7 +95,10 @@ class KVLayerGroupInfo:
                 raise KVGroupsError(f"{owner}: {error}") from None
         elif not isinstance(layout, KVLayout):
             raise TypeError(f"{owner}: layout must be a KVLayout, got {layout!r}")
-        geometry(layout, size)  # raises on a rank that does not fit the layout
+        try:
+            sizes = geometry(layout, size, value_head_size)  # raises on a rank that does not fit the layout
+        except KVGroupsError as error:
+            raise KVGroupsError(f"{owner}: {error}") from None
         if spec is None:
             spec = default_spec(layout)
         if not isinstance(getattr(spec, "kind", None), LayerKind):
@@ -98,17 +107,17 @@ class KVLayerGroupInfo:
             raise KVGroupsError(
                 f"{owner}: a {spec.kind.value} layer cannot be stored in layout {layout.value}"
             )
-        self._init_fields(names, indices, size, dtype, layout, spec)
+        self._init_fields(names, indices, size, dtype, layout, spec, sizes.value_head_size)
 
     def _init_fields(
         self, names: list[str], indices: list[int], shape: torch.Size, dtype: torch.dtype,
-        layout: KVLayout, spec: LayerCacheSpec,
+        layout: KVLayout, spec: LayerCacheSpec, value_head_size: int | None,
     ) -> None:
         # object.__setattr__, not self.__dict__: touching __dict__ would slow every later attribute read.
         initial: dict[str, Any] = {
             "_managers": (), "_geometry_cache": None, "_version": 0, "_sets": (-1, set(), set()),
             "layer_names": TrackedList(names, self), "layer_indices": TrackedList(indices, self),
-            "shape": shape, "dtype": dtype, "layout": layout, "spec": spec,
+            "shape": shape, "dtype": dtype, "layout": layout, "spec": spec, "value_head_size": value_head_size,
         }
         for name, value in initial.items():
             object.__setattr__(self, name, value)
@@ -119,7 +128,7 @@ class KVLayerGroupInfo:
     ) -> KVLayerGroupInfo:
         """A group from values ``build_kv_layer_groups`` validated already."""
         group = cls.__new__(cls)
-        group._init_fields(names, indices, key.shape, key.dtype, key.layout, key.spec)
+        group._init_fields(names, indices, key.shape, key.dtype, key.layout, key.spec, key.value_head_size)
         return group
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -150,10 +159,11 @@ class KVLayerGroupInfo:
 
     def __repr__(self) -> str:
         indices = compact_ranges(self.layer_indices)
+        values = f", value_head_size={self.value_head_size}" if self.value_head_size is not None else ""
         return (
             f"KVLayerGroupInfo(layers={len(self.layer_names)}, indices={indices}, "
             f"shape={self.shape}, dtype={self.dtype}, layout={self.layout.value}, "
-            f"kind={self.kind.value})"
+            f"kind={self.kind.value}{values})"
         )
 
     # --- reference API -------------------------------------------------------------------
@@ -163,7 +173,8 @@ class KVLayerGroupInfo:
 
     @property
     def hidden_dim_size(self) -> int:
-        """Elements per token per K or V plane: num_heads * head_size (head_size for MLA)."""
+        """Elements per token per K or V plane: num_heads * head_size (head_size for MLA); the keys'
+        plane where values have a head size of their own (:attr:`value_hidden_dim_size`)."""
         return self.geometry.hidden_dim_size
 
     def contains_layer(self, layer_idx: int) -> bool:
@@ -185,10 +196,12 @@ class KVLayerGroupInfo:
         # Asked for on every property access in hot paths; recomputed only when shape or layout
         # were replaced (both are immutable values, so identity tells).
         cached = self._geometry_cache
-        if cached is None or cached[0] is not self.shape or cached[1] is not self.layout:
-            cached = (self.shape, self.layout, geometry(self.layout, self.shape))
+        if (cached is None or cached[0] is not self.shape or cached[1] is not self.layout
+                or cached[2] != self.value_head_size):
+            cached = (self.shape, self.layout, self.value_head_size,
+                      geometry(self.layout, self.shape, self.value_head_size))
             self._geometry_cache = cached
-        return cached[2]
+        return cached[3]
 
     @property
     def kind(self) -> LayerKind:
@@ -215,8 +228,14 @@ class KVLayerGroupInfo:
         return self.geometry.head_size
 
     @property
+    def value_hidden_dim_size(self) -> int:
+        """Elements per token per V plane (``hidden_dim_size`` unless values have a head size of their own)."""
+        return self.geometry.value_hidden_dim_size
+
+    @property
     def key(self) -> GroupKey:
-        return GroupKey(shape=self.shape, dtype=self.dtype, layout=self.layout, spec=self.spec)
+        return GroupKey(shape=self.shape, dtype=self.dtype, layout=self.layout, spec=self.spec,
+                        value_head_size=self.value_head_size)
 
     @property
     def token_indexed(self) -> bool:
@@ -242,9 +261,13 @@ class KVLayerGroupInfo:
         """``[kv_size, num_layers, num_tokens, hidden_dim_size]`` of a stored chunk.
 
         A recurrent group stores states, not tokens: ``[1, num_layers, num_states,
-        state_elements]``, one state per sequence (a stored chunk holds one).
+        state_elements]``, one state per sequence (a stored chunk holds one). A group whose values
+        have a head size of their own stores no padding: ``[1, num_layers, num_tokens,
+        hidden_dim_size + value_hidden_dim_size]``, each token's row its keys then its values.
         """
         rows = num_tokens if self.spec.token_indexed else num_states
+        if self.value_head_size is not None:
+            return torch.Size([1, self.num_layers, rows, self.geometry.slot_elements])
         return torch.Size([self.kv_size, self.num_layers, rows, self.hidden_dim_size])
 
     def chunk_bytes(self, num_tokens: int) -> int:
@@ -252,7 +275,7 @@ class KVLayerGroupInfo:
         return math.prod(self.chunk_shape(num_tokens)) * self.dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        described = {
             "layer_names": list(self.layer_names),
             "layer_indices": list(self.layer_indices),
             "shape": list(self.shape),
@@ -260,6 +283,9 @@ class KVLayerGroupInfo:
             "layout": self.layout.value,
             "spec": self.spec.to_dict(),
         }
+        if self.value_head_size is not None:  # absent where equal: every other group's dict as before
+            described["value_head_size"] = self.value_head_size
+        return described
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVLayerGroupInfo:
@@ -276,4 +302,5 @@ class KVLayerGroupInfo:
             dtype=dtype_from_name(data["dtype"]),
             layout=KVLayout.parse(data["layout"]),
             spec=spec_from_dict(data["spec"]),
+            value_head_size=data.get("value_head_size"),
         )

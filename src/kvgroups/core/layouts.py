@@ -103,14 +103,26 @@ class KVLayout(enum.Enum):
         """``[2, num_blocks, block_size, num_heads, head_size]``, for error messages and docs."""
         return "[" + ", ".join("2" if axis is _KV else axis.value for axis in self.axes) + "]"
 
-    def layout_problem(self, tensor: torch.Tensor) -> str | None:
+    @property
+    def holds_value_head_size(self) -> bool:
+        """Whether values may have a head size of their own (unpadded): a ``(k, v)`` pair, or vLLM's
+        GPU pages of K rows then V rows (``head_size + head_size_v``). Layouts with a K/V axis hold
+        both planes in one head size, so values of another size are padded there; vLLM's CPU
+        backend splits each page in two halves of one head size (it has no diff-KV kernels)."""
+        return self.holds_kv and Axis.KV not in self.axes and self is not KVLayout.VLLM_CPU
+
+    def layout_problem(self, tensor: torch.Tensor, value_head_size: int | None = None) -> str | None:
         """Why ``tensor`` (of this layout's rank) cannot be read in this layout, or None.
 
         Strides are free except where a layout fixes how a page is laid out: a ``VLLM_CPU``
         page of one (block, head) is ``2 * block_size * head_size`` contiguous elements.
         """
-        if _KVHS in self.axes and tensor.shape[-1] % 2:
-            return f"its last axis (2 * head_size) is {tensor.shape[-1]}, not even"
+        if _KVHS in self.axes:
+            if value_head_size is None and tensor.shape[-1] % 2:
+                return f"its last axis (2 * head_size) is {tensor.shape[-1]}, not even"
+            if value_head_size is not None and not 0 < value_head_size < tensor.shape[-1]:
+                return (f"its last axis (head_size + value_head_size) is {tensor.shape[-1]}, which cannot hold "
+                        f"values of {value_head_size}")
         if self is KVLayout.VLLM_CPU:
             block_size, width = tensor.shape[2], tensor.shape[3]
             if (width > 1 and tensor.stride(3) != 1) or (block_size > 1 and tensor.stride(2) != width):
@@ -159,15 +171,25 @@ class CacheGeometry:
     block_size: int
     num_heads: int
     head_size: int
+    # Values' head size where it differs from the keys' (MiMo-V2's 192 / 128); None: the same.
+    value_head_size: int | None = None
 
     @property
     def hidden_dim_size(self) -> int:
-        """Elements one token (one slot, for states) stores per K or V plane."""
+        """Elements one token (one slot, for states) stores per K plane (and per V plane, unless
+        values have a head size of their own)."""
         return self.num_heads * self.head_size
+
+    @property
+    def value_hidden_dim_size(self) -> int:
+        """Elements one token stores per V plane."""
+        return self.num_heads * (self.value_head_size or self.head_size)
 
     @property
     def slot_elements(self) -> int:
         """Elements one token slot (one state slot) stores, all K/V planes together."""
+        if self.value_head_size is not None:
+            return self.hidden_dim_size + self.value_hidden_dim_size
         return self.kv_size * self.hidden_dim_size
 
     @property
@@ -176,44 +198,64 @@ class CacheGeometry:
         return self.num_blocks * self.block_size
 
 
-def geometry(layout: KVLayout, shape: Sequence[int]) -> CacheGeometry:
+def _check_value_head_size(layout: KVLayout, value_head_size: int | None) -> None:
+    if value_head_size is None:
+        return
+    if isinstance(value_head_size, bool) or not isinstance(value_head_size, int) or value_head_size < 1:
+        raise KVGroupsError(f"value_head_size must be a positive int or None, got {value_head_size!r}")
+    if not layout.holds_value_head_size:
+        holding = ", ".join(member.value for member in KVLayout if member.holds_value_head_size)
+        raise KVGroupsError(
+            f"layout {layout.value} {layout.axes_text} holds keys and values in one head size; values of "
+            f"{value_head_size} need a layout that holds them unpadded ({holding}), or padding to the keys' size"
+        )
+
+
+def geometry(layout: KVLayout, shape: Sequence[int], value_head_size: int | None = None) -> CacheGeometry:
     """Sizes of a cache whose (per-tensor) ``shape`` is in ``layout``.
 
-    For RECURRENT, ``shape`` is ``[num_state_slots, state_elements]`` (states flattened).
+    For RECURRENT, ``shape`` is ``[num_state_slots, state_elements]`` (states flattened). For
+    KV_SPLIT layouts ``shape`` is the keys' tensor. ``value_head_size`` (None: the keys') is the
+    values' head size where it differs, for the layouts that hold it (``holds_value_head_size``):
+    a vLLM page's last axis is then ``head_size + value_head_size``.
     """
     axes = layout.axes
     if len(shape) != len(axes):
         raise KVGroupsError(
             f"layout {layout.value} expects rank {len(axes)} {layout.axes_text}, got shape {list(shape)}"
         )
+    _check_value_head_size(layout, value_head_size)
     size = dict(zip(axes, (int(dim) for dim in shape), strict=True))
     if layout is KVLayout.RECURRENT:
-        return CacheGeometry(
-            kv_size=1, num_blocks=size[Axis.STATE_SLOTS], block_size=1, num_heads=1,
-            head_size=size[Axis.STATE],
-        )
+        return CacheGeometry(kv_size=1, num_blocks=size[Axis.STATE_SLOTS], block_size=1, num_heads=1,
+                             head_size=size[Axis.STATE])
     if _KVHS in size:
-        if size[_KVHS] % 2:
+        last = size[_KVHS]
+        if value_head_size is not None and value_head_size >= last:
+            raise KVGroupsError(f"layout {layout.value} {layout.axes_text}: a last axis of {last} cannot hold values "
+                                f"of {value_head_size} after keys; got shape {list(shape)}")
+        if value_head_size is None and last % 2:
             raise KVGroupsError(
                 f"layout {layout.value} {layout.axes_text} needs an even last axis, got shape {list(shape)}"
             )
-        size[_HS] = size[_KVHS] // 2
+        size[_HS] = last // 2 if value_head_size is None else last - value_head_size
     return CacheGeometry(
-        kv_size=size.get(_KV, layout.kv_size),
-        num_blocks=size[_NB],
-        block_size=size[_BS],
-        num_heads=size.get(_NH, 1),
-        head_size=size[_HS],
+        kv_size=size.get(_KV, layout.kv_size), num_blocks=size[_NB], block_size=size[_BS],
+        num_heads=size.get(_NH, 1), head_size=size[_HS],
+        value_head_size=None if value_head_size == size[_HS] else value_head_size,
     )
 
 
 def shape_for(layout: KVLayout, sizes: CacheGeometry) -> torch.Size:
-    """The per-tensor shape of a cache with ``sizes`` in ``layout`` (inverse of :func:`geometry`)."""
+    """The per-tensor shape of a cache with ``sizes`` in ``layout`` (inverse of :func:`geometry`;
+    for KV_SPLIT layouts the keys' tensor)."""
     if layout is KVLayout.RECURRENT:
         return torch.Size([sizes.num_blocks, sizes.head_size])
+    _check_value_head_size(layout, sizes.value_head_size)
     by_axis = {
         _KV: sizes.kv_size, _NB: sizes.num_blocks, _BS: sizes.block_size,
-        _NH: sizes.num_heads, _HS: sizes.head_size, _KVHS: 2 * sizes.head_size,
+        _NH: sizes.num_heads, _HS: sizes.head_size,
+        _KVHS: sizes.head_size + (sizes.value_head_size or sizes.head_size),
     }
     return torch.Size([by_axis[axis] for axis in layout.axes])
 
@@ -257,17 +299,26 @@ def layout_from_shape(shape: Sequence[int]) -> KVLayout:
     return layout
 
 
-def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int) -> torch.Tensor:
+def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int,
+                   value_head_size: int | None = None) -> torch.Tensor:
     """A view ``[num_blocks, block_size, num_heads, head_size]`` of plane ``kv_index`` of a tensor.
 
     Writes through the returned view land in ``tensor`` (it is never a copy). For MLA the heads
     axis has size 1; for KV_SPLIT layouts ``tensor`` is the K or the V tensor itself. A
     ``VLLM_CPU`` tensor must pass :meth:`KVLayout.layout_problem` (its pages are contiguous).
+    ``value_head_size`` splits a vLLM page's last axis into keys and values of different sizes
+    (the V plane's view then has ``value_head_size`` as its last axis).
     """
     if layout is KVLayout.VLLM_CPU:
         return _cpu_page_plane(tensor, kv_index)
     axes = layout.axes
-    if _KVHS in axes:
+    if _KVHS in axes and value_head_size is not None:
+        position = axes.index(_KVHS)
+        key_size = tensor.shape[position] - value_head_size
+        tensor = (tensor.narrow(position, 0, key_size) if kv_index == 0
+                  else tensor.narrow(position, key_size, value_head_size))
+        axes = (*axes[:position], _HS, *axes[position + 1:])
+    elif _KVHS in axes:
         position = axes.index(_KVHS)
         shape = tensor.shape  # splitting one axis is a view whatever the strides
         tensor = tensor.view(*shape[:position], 2, shape[position] // 2, *shape[position + 1:])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvgroups.core.cache_specs import LayerCacheSpec
-from kvgroups.core.grouping import LayoutArg, plan_groups
+from kvgroups.core.grouping import LayoutArg, ValueHeadSizeArg, plan_groups
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.tracked_lists import tracked
 from kvgroups.errors import KVGroupsError, StaleGroupsError
@@ -137,6 +137,7 @@ class KVLayerGroupsManager:
         layer_specs: Mapping[str, LayerCacheSpec] | None = None,
         *,
         layout: LayoutArg = None,
+        value_head_size: ValueHeadSizeArg = None,
         rebuild: bool = False,
     ) -> None:
         """Group the layers of ``kv_caches`` (layer name -> cache) by :class:`GroupKey`.
@@ -146,12 +147,14 @@ class KVLayerGroupsManager:
         :class:`~kvgroups.core.layouts.KVLayout` layouts, a ``(k, v)`` pair, or for a recurrent layer
         (whose ``layer_specs`` entry is a :class:`~kvgroups.core.cache_specs.RecurrentState`) a tensor or
         tuple of state tensors ``[num_state_slots, *state_shape]``. ``layout`` fixes the layout
-        of every layer, or of the named ones; otherwise it is detected. Tensor data is never read.
+        of every layer, or of the named ones; otherwise it is detected. ``value_head_size`` (for
+        every layer, or the named ones) is the values' head size of vLLM pages whose values differ
+        from their keys (a ``(k, v)`` pair shows it in its V tensor). Tensor data is never read.
 
         Building again with caches that group the same way is a no-op; caches that group
         differently raise :class:`~kvgroups.errors.StaleGroupsError` unless ``rebuild``.
         """
-        planned = plan_groups(kv_caches, layer_specs, layout)
+        planned = plan_groups(kv_caches, layer_specs, layout, value_head_size)
         groups = [KVLayerGroupInfo._trusted(names, indices, key) for key, names, indices in planned]
         if self.kv_layer_groups and not rebuild:
             if groups == list(self.kv_layer_groups):

@@ -190,22 +190,25 @@ class LMCacheMetadata:
             "chunk_size": self.chunk_size,
         }
         if groups:
-            described["groups"] = [
-                {
-                    "layer_indices": list(group.layer_indices),
-                    "chunk_shape": list(group.chunk_shape(self.chunk_size)),
-                    "num_heads": group.num_heads,
-                    "head_size": group.head_size,
-                    "dtype": dtype_name(group.dtype),
-                    "layout": group.layout.value,
-                    "spec": group.spec.to_dict(),
-                }
-                for group in groups
-            ]
+            described["groups"] = [self._group_format(group) for group in groups]
         else:
             described["kv_shape"] = list(self.kv_shape)
             described["kv_dtype"] = dtype_name(self.kv_dtype)
             described["use_mla"] = self.use_mla
+        return described
+
+    def _group_format(self, group: KVLayerGroupInfo) -> dict[str, Any]:
+        described = {
+            "layer_indices": list(group.layer_indices),
+            "chunk_shape": list(group.chunk_shape(self.chunk_size)),
+            "num_heads": group.num_heads,
+            "head_size": group.head_size,
+            "dtype": dtype_name(group.dtype),
+            "layout": group.layout.value,
+            "spec": group.spec.to_dict(),
+        }
+        if group.value_head_size is not None:  # only where it differs: every other fingerprint unchanged
+            described["value_head_size"] = group.value_head_size
         return described
 
     def fingerprint(self) -> str:

@@ -56,7 +56,9 @@ class TokenTable:
     ``unit_stride`` bytes apart (one piece in NHD layouts, one per head in HND); a piece's
     elements of ``element_bytes`` are ``element_stride`` bytes apart (contiguous unless the
     layout transposes a page, as vLLM's CPU pages do for K). In a chunk a token's row is one
-    contiguous run of ``row_bytes``.
+    contiguous run of ``row_bytes``, ``chunk_row_bytes`` after the previous token's and
+    ``chunk_column`` bytes into the chunk's row: the two differ from ``row_bytes`` and 0 only in
+    a group whose values have a head size of their own, whose chunk rows hold keys, then values.
     """
 
     tensors: tuple[torch.Tensor, ...]  # every tensor addressed, kept alive
@@ -73,6 +75,13 @@ class TokenTable:
     unit_stride: int
     element_bytes: int
     element_stride: int
+    chunk_row_bytes: int
+    chunk_column: int = 0
+
+    @property
+    def chunk_rows_contiguous(self) -> bool:
+        """Whether consecutive tokens' rows follow each other in a chunk (so runs of them move as one)."""
+        return self.chunk_row_bytes == self.row_bytes
 
     @property
     def elements_contiguous(self) -> bool:
@@ -89,7 +98,7 @@ class TokenTable:
 
     def chunk_offset(self, num_tokens: int) -> int:
         """Bytes into a chunk of ``num_tokens`` tokens where this table's first plane starts."""
-        return self.first_plane * self.num_layers * num_tokens * self.row_bytes
+        return self.first_plane * self.num_layers * num_tokens * self.chunk_row_bytes + self.chunk_column
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,19 +124,28 @@ class StateTable:
         return _same_memory(self.tensors, self.pointers)
 
 
-def token_tables(layout: KVLayout, layers: Sequence[Tensors]) -> tuple[TokenTable, ...] | None:
+def token_tables(layout: KVLayout, layers: Sequence[Tensors],
+                 value_head_size: int | None = None) -> tuple[TokenTable, ...] | None:
     """The tables of a token group's layer tensors (one per run of planes located alike), or None.
 
     Planes whose tokens sit alike (NHD and HND layouts: all of them) share one table; a layout
-    whose K and V pages differ (``VLLM_CPU``) gets one per plane. None when the layers' tensors
-    differ in strides (each plane must be located the same way in every layer).
+    whose K and V pages differ (``VLLM_CPU``), or values of a head size of their own, get one
+    per plane. None when the layers' tensors differ in strides (each plane must be located the
+    same way in every layer). A pair's V tensors may differ from its K tensors in their last axis.
     """
     planes = [kv_planes(layout, tensors) for tensors in layers]
-    strides = planes[0][0][0].stride()
-    if any(tensor.stride() != strides for layer in planes for tensor, _ in layer):
-        return None
-    views = [[to_token_major(layout, tensor, plane) for tensor, plane in layer] for layer in planes]
+    for position in range(len(planes[0])):
+        strides = planes[0][position][0].stride()
+        if any(layer[position][0].stride() != strides for layer in planes):
+            return None
+    views = [[to_token_major(layout, tensor, plane, value_head_size) for tensor, plane in layer] for layer in planes]
     tensors = tuple({id(tensor): tensor for layer in planes for tensor, _ in layer}.values())
+    if value_head_size is not None:
+        # Chunk rows hold a token's keys, then its values: one table per plane, each with its column.
+        key_row = views[0][0].shape[2] * views[0][0].shape[3] * views[0][0].element_size()
+        row = key_row + views[0][1].shape[2] * views[0][1].shape[3] * views[0][1].element_size()
+        return tuple(_plane_table(tensors, [layer[plane:plane + 1] for layer in views], 0, row, column)
+                     for plane, column in ((0, 0), (1, key_row)))
     tables: list[TokenTable] = []
     first = 0
     for plane in range(1, len(planes[0]) + 1):
@@ -137,8 +155,11 @@ def token_tables(layout: KVLayout, layers: Sequence[Tensors]) -> tuple[TokenTabl
     return tuple(tables)
 
 
-def _plane_table(tensors: tuple[torch.Tensor, ...], views: list[list[torch.Tensor]], first_plane: int) -> TokenTable:
-    """The table of planes ``first_plane ..`` whose token-major ``views`` (per layer) share strides."""
+def _plane_table(tensors: tuple[torch.Tensor, ...], views: list[list[torch.Tensor]], first_plane: int,
+                 chunk_row_bytes: int | None = None, chunk_column: int = 0) -> TokenTable:
+    """The table of planes ``first_plane ..`` whose token-major ``views`` (per layer) share strides.
+
+    ``chunk_row_bytes`` None: a chunk row is this table's row (planes of one head size)."""
     _, _, num_heads, head_size = views[0][0].shape
     block_stride, offset_stride, head_stride, element_stride = views[0][0].stride()
     item = views[0][0].element_size()
@@ -148,11 +169,13 @@ def _plane_table(tensors: tuple[torch.Tensor, ...], views: list[list[torch.Tenso
     num_planes = len(views[0])
     # Chunk order: plane-major, then layer (a chunk is [kv_size, num_layers, tokens, hidden]).
     bases = [int(views[layer][plane].data_ptr()) for plane in range(num_planes) for layer in range(len(views))]
+    row_bytes = num_heads * head_size * item
     return TokenTable(
         tensors=tensors, pointers=tuple(tensor.data_ptr() for tensor in tensors),
         bases=torch.tensor(bases, dtype=torch.int64), first_plane=first_plane, num_planes=num_planes,
         num_layers=len(views), block_stride=block_stride * item, offset_stride=offset_stride * item,
-        row_bytes=num_heads * head_size * item,
+        row_bytes=row_bytes, chunk_row_bytes=row_bytes if chunk_row_bytes is None else chunk_row_bytes,
+        chunk_column=chunk_column,
         units=1 if rows_contiguous else num_heads,
         unit_bytes=(num_heads if rows_contiguous else 1) * head_size * item,
         unit_stride=head_stride * item, element_bytes=item, element_stride=element_stride * item,

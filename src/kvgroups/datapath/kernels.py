@@ -81,9 +81,9 @@ def choose_kernel(device: torch.device, requested: str | None = None) -> str:
 
 
 def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequence[Tensors],
-                 num_threads: int | None) -> tuple[str, Copier]:
+                 num_threads: int | None, value_head_size: int | None = None) -> tuple[str, Copier]:
     """The copier of one token-indexed group, and the kernel it uses."""
-    tables = None if kernel == "torch" else token_tables(layout, layers)
+    tables = None if kernel == "torch" else token_tables(layout, layers, value_head_size)
     if tables is not None and kernel == "numba":
         from kvgroups.datapath.numba_copy import NumbaTokenCopier  # noqa: PLC0415 - numba/triton load on use
 
@@ -92,7 +92,7 @@ def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequenc
         from kvgroups.datapath.triton_copy import TritonTokenCopier  # noqa: PLC0415 - numba/triton load on use
 
         return kernel, TritonTokenCopier(tables, block_size)
-    return "torch", TokenCopier(layout, block_size, layers)
+    return "torch", TokenCopier(layout, block_size, layers, value_head_size)
 
 
 def state_copier(kernel: str, layers: Sequence[Tensors]) -> tuple[str, Copier]:

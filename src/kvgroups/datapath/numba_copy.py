@@ -81,8 +81,8 @@ def _token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: i
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, first: Any, offset: Any,
-               length: Any, scatter: bool, streaming: bool) -> None:
+def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int,
+               first: Any, offset: Any, length: Any, scatter: bool, streaming: bool) -> None:
     """Runs ``4q .. 4q + 3`` of one (plane, layer): in lockstep when they are as long, else one by one."""
     quads = (first.shape[0] + 3) // 4
     plane = item // quads
@@ -94,8 +94,8 @@ def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: in
     if (run + 3 < first.shape[0] and (streaming or length[run] * row_bytes <= _LOCKSTEP_MAX_BYTES)
             and length[run] == length[run + 1] == length[run + 2] == length[run + 3]):
         caches = (base + offset[run], base + offset[run + 1], base + offset[run + 2], base + offset[run + 3])
-        chunks = (chunk + (rows + first[run]) * row_bytes, chunk + (rows + first[run + 1]) * row_bytes,
-                  chunk + (rows + first[run + 2]) * row_bytes, chunk + (rows + first[run + 3]) * row_bytes)
+        chunks = (chunk + (rows + first[run]) * chunk_row_bytes, chunk + (rows + first[run + 1]) * chunk_row_bytes,
+                  chunk + (rows + first[run + 2]) * chunk_row_bytes, chunk + (rows + first[run + 3]) * chunk_row_bytes)
         if scatter:
             copy_pieces(caches, chunks, length[run] * row_bytes, streaming)
         else:
@@ -103,7 +103,7 @@ def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: in
         return
     for each in range(run, min(run + 4, first.shape[0])):
         cache_at = base + offset[each]
-        chunk_at = chunk + (rows + first[each]) * row_bytes
+        chunk_at = chunk + (rows + first[each]) * chunk_row_bytes
         if scatter:
             copy_piece(cache_at, chunk_at, length[each] * row_bytes, streaming)
         else:
@@ -112,7 +112,7 @@ def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: in
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, offset: Any, units: int,
+def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, chunk_row_bytes: int, offset: Any, units: int,
                 unit_bytes: int, unit_stride: int, element_bytes: int, element_stride: int, scatter: bool) -> None:
     """One token of one (plane, layer) whose row is ``units`` strided pieces in the cache (HND).
 
@@ -121,7 +121,7 @@ def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: i
     plane = item // num_tokens
     token = item - plane * num_tokens
     cache_at = bases[plane] + offset[token]
-    chunk_at = chunk + (plane * num_tokens + token) * row_bytes
+    chunk_at = chunk + (plane * num_tokens + token) * chunk_row_bytes
     if element_stride == element_bytes:
         for unit in range(units):
             if scatter:
@@ -143,28 +143,32 @@ def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: i
 
 
 @njit(nogil=True, cache=True)
-def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int, first: Any, offset: Any,
+def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
+                        offset: Any,
                         length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
                         element_stride: int, scatter: bool, streaming: bool) -> None:
     if units == 1 and element_stride == element_bytes:
         for item in range(bases.shape[0] * ((first.shape[0] + 3) // 4)):
-            _copy_quad(item, bases, chunk, num_tokens, row_bytes, first, offset, length, scatter, streaming)
+            _copy_quad(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
+                       streaming)
     else:
         for item in range(bases.shape[0] * num_tokens):
-            _copy_heads(item, bases, chunk, num_tokens, row_bytes, offset, units, unit_bytes, unit_stride,
+            _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
                         element_bytes, element_stride, scatter)
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _copy_tokens_parallel(bases: Any, chunk: int, num_tokens: int, row_bytes: int, first: Any, offset: Any,
+def _copy_tokens_parallel(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
+                          offset: Any,
                           length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
                           element_stride: int, scatter: bool, streaming: bool) -> None:
     if units == 1 and element_stride == element_bytes:
         for item in prange(bases.shape[0] * ((first.shape[0] + 3) // 4)):
-            _copy_quad(item, bases, chunk, num_tokens, row_bytes, first, offset, length, scatter, streaming)
+            _copy_quad(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
+                       streaming)
     else:
         for item in prange(bases.shape[0] * num_tokens):
-            _copy_heads(item, bases, chunk, num_tokens, row_bytes, offset, units, unit_bytes, unit_stride,
+            _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
                         element_bytes, element_stride, scatter)
 
 
@@ -210,17 +214,18 @@ class NumbaTokenCopier:
         slots = call.cpu_slots.numpy()
         check_still_bound(self.tables[0])  # every table of a group addresses the same tensors
         for table, bases, cache_alignment in zip(self.tables, self.bases, self.cache_alignment, strict=True):
-            # Tokens merge into one run only when a row is one piece in the cache.
+            # Tokens merge into one run only when a row is one piece in the cache and in the chunk.
             first, offset, length = _token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
-                                                table.row_bytes, table.rows_contiguous)
+                                                table.row_bytes, table.rows_contiguous and table.chunk_rows_contiguous)
             chunk_at = chunk.data_ptr() + table.chunk_offset(call.num_tokens)
             # Stores that bypass the cache pay off where the written rows are not read soon: the
             # caches (unpack), and chunks too large to stay cached (pack). They need 32-byte
             # aligned rows.
             streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous
                          and (cache_alignment if scatter else chunk_at) % VECTOR_BYTES == 0
-                         and table.row_bytes % VECTOR_BYTES == 0)
-            arguments = (bases, chunk_at, call.num_tokens, table.row_bytes, first, offset, length, table.units,
+                         and table.row_bytes % VECTOR_BYTES == 0 and table.chunk_row_bytes % VECTOR_BYTES == 0)
+            arguments = (bases, chunk_at, call.num_tokens, table.row_bytes, table.chunk_row_bytes, first, offset,
+                         length, table.units,
                          table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride, scatter,
                          streaming)
             if parallel:
@@ -260,11 +265,11 @@ def warm_up() -> None:
     slots = np.array([0, 1], dtype=np.int64)
     first, offset, length = _token_runs(slots, 2, 64, 32, 32, True)
     for streaming in (False, STREAMING_STORES):
-        _copy_tokens_serial(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
+        _copy_tokens_serial(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                             streaming)
         with _parallel_region():
-            _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, first, offset, length, 1, 32, 32, 4, 4, False,
-                                  streaming)
+            _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4,
+                                  False, streaming)
     if not np.array_equal(source, target):
         raise RuntimeError("the numba copy kernel failed its warm-up copy")
     one = np.zeros(1, dtype=np.int64)

@@ -105,17 +105,21 @@ class TokenCopier:
     """The copies of one token-indexed group, with every view they need built once.
 
     ``layers`` are the group's layer values as tensors (checked against the group already).
+    Values of a head size of their own (``value_head_size``) are copied plane by plane through
+    token-major views, into the keys' and the values' columns of each chunk row.
     """
 
-    def __init__(self, layout: KVLayout, block_size: int, layers: Sequence[Tensors]) -> None:
+    def __init__(self, layout: KVLayout, block_size: int, layers: Sequence[Tensors],
+                 value_head_size: int | None = None) -> None:
         self.layout = layout
         self.block_size = block_size
+        self.value_head_size = value_head_size
         self.planes = [kv_planes(layout, tensors) for tensors in layers]
         self.num_layers = len(self.planes)
         self.num_planes = len(self.planes[0])
         first = self.planes[0][0][0]
         self.item = first.element_size()
-        self.shared = row_map(layout, first)
+        self.shared = row_map(layout, first) if value_head_size is None else None
         self.pooled = self._pooled_planes() if self.shared is not None and self.num_layers > 1 else None
         # Per (plane, layer): (block-row view or None, token-row view) over the layer's own storage,
         # or None where the layer's strides differ from the first (copied through a token-major view).
@@ -192,6 +196,9 @@ class TokenCopier:
         row_type = self.scatter_type if scatter else chunk.dtype
         if scatter and chunk.storage_offset():
             row_type = widest_word(row_type.itemsize, int(chunk.storage_offset()) * self.item)
+        if self.value_head_size is not None:
+            self._copy_split_rows(chunk, plan, scatter)
+            return
         rows_per_plane = chunk.view(self.num_planes * self.num_layers, plan.num_tokens, -1)
         typed_rows = rows_per_plane.view(row_type)
         block_targets: Sequence[torch.Tensor] = ()
@@ -212,9 +219,19 @@ class TokenCopier:
             if token_indices is not None:
                 _copy_rows(token_view, token_targets[target], token_indices, scatter)
 
+    def _copy_split_rows(self, chunk: torch.Tensor, plan: TokenPlan, scatter: bool) -> None:
+        """Keys and values of different head sizes: chunk ``[1, num_layers, tokens, keys + values]``."""
+        for layer, layer_planes in enumerate(self.planes):
+            column = 0
+            for tensor, plane in layer_planes:
+                token_major = to_token_major(self.layout, tensor, plane, self.value_head_size)
+                width = token_major.shape[2] * token_major.shape[3]
+                self._copy_generic(tensor, plane, plan, chunk[0, layer, :, column:column + width], scatter)
+                column += width
+
     def _copy_generic(self, tensor: torch.Tensor, plane: int, plan: TokenPlan, rows: torch.Tensor,
                       scatter: bool) -> None:
-        token_major = to_token_major(self.layout, tensor, plane)
+        token_major = to_token_major(self.layout, tensor, plane, self.value_head_size)
         tokens = rows.view(plan.num_tokens, *token_major.shape[2:])
         if scatter:
             token_major.index_put_((plan.blocks, plan.offsets), tokens)

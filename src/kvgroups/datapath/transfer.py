@@ -108,7 +108,7 @@ class KVTransfer:
         layers, self.device = _bind_layers(self.groups, kv_caches)
         self.kernel = choose_kernel(self.device, kernel)
         chosen = [
-            token_copier(self.kernel, group.layout, group.block_size, group_layers, num_threads)
+            token_copier(self.kernel, group.layout, group.block_size, group_layers, num_threads, group.value_head_size)
             if group.token_indexed else state_copier(self.kernel, group_layers)
             for group, group_layers in zip(self.groups, layers, strict=True)
         ]

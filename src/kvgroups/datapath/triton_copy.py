@@ -30,13 +30,13 @@ def _word(*byte_quantities: int) -> torch.dtype:
 
 
 @triton.jit
-def _copy_rows(bases, offsets, chunk, num_tokens, row_words, units, unit_words, unit_stride_words,
+def _copy_rows(bases, offsets, chunk, num_tokens, chunk_row_words, units, unit_words, unit_stride_words,
                element_words, element_stride_words, scatter: tl.constexpr, block: tl.constexpr) -> None:
     plane = tl.program_id(0)
     token = tl.program_id(1)
     address = tl.load(bases + plane) + tl.load(offsets + token)
     cache = address.to(tl.pointer_type(chunk.dtype.element_ty))
-    row = chunk + (plane * num_tokens + token) * row_words
+    row = chunk + (plane * num_tokens + token) * chunk_row_words
     for unit in range(units):
         for start in range(0, unit_words, block):
             index = start + tl.arange(0, block)
@@ -83,7 +83,8 @@ class TritonTokenCopier:
         device = tables[0].tensors[0].device
         self.bases = [table.bases.to(device) for table in tables]
         quantities = [quantity for table in tables for quantity in (
-            table.row_bytes, table.unit_bytes, table.unit_stride, table.block_stride, table.offset_stride,
+            table.row_bytes, table.chunk_row_bytes, table.chunk_column, table.unit_bytes, table.unit_stride,
+            table.block_stride, table.offset_stride,
             *(int(base) for base in table.bases.tolist()),
             # Elements that are not contiguous move in words no wider than an element.
             *(() if table.elements_contiguous else (table.element_bytes, table.element_stride)),
@@ -106,7 +107,7 @@ class TritonTokenCopier:
             rows = words[table.chunk_offset(call.num_tokens) // size:]
             # Addresses and offsets are bytes; sizes and strides are words (each divides by the word size).
             grid: Any = (table.num_planes * table.num_layers, call.num_tokens)
-            _copy_rows[grid](bases, offsets, rows, call.num_tokens, table.row_bytes // size, table.units,
+            _copy_rows[grid](bases, offsets, rows, call.num_tokens, table.chunk_row_bytes // size, table.units,
                              table.unit_bytes // size, table.unit_stride // size, element_words,
                              element_stride_words, scatter=scatter, block=_BLOCK)
 

@@ -36,13 +36,15 @@ class EngineParams:
     """How the engine would hold the cache. Dtypes None: as :mod:`kvgroups.models.cache_dtypes` says.
 
     ``images`` per sequence and ``image_tokens`` per image (None: what the config implies) size
-    the cross-attention caches of models that have them.
+    the cross-attention caches of models that have them. ``layout`` None: :data:`DEFAULT_LAYOUT`,
+    or for a model whose values differ from its keys in head size the layout vLLM holds them in
+    (:data:`DIFF_KV_LAYOUT`, unpadded).
     """
 
     tp: int = 1
     rank: int = 0
     block_size: int = 16
-    layout: KVLayout = KVLayout.FLASH_ATTN
+    layout: KVLayout | None = None
     kv_dtype: torch.dtype | None = None
     state_dtype: torch.dtype | None = None
     conv_state_dtype: torch.dtype | None = None
@@ -70,7 +72,7 @@ class EngineParams:
             problems.append(f"--images must be an int >= 0, got {self.images!r}")
         if self.image_tokens is not None and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
             problems.append(f"--image-tokens must be an int >= 1, got {self.image_tokens!r}")
-        if not self.layout.holds_kv:
+        if self.layout is not None and not self.layout.holds_kv:
             problems.append(f"--layout must be a K/V layout, got {self.layout.value}")
         if problems:
             raise KVGroupsError("; ".join(problems))
@@ -78,6 +80,13 @@ class EngineParams:
     @property
     def memory_bytes(self) -> int | None:
         return None if self.memory_gib is None else int(self.memory_gib * GIB)
+
+
+# The layout a model's attention caches are planned in when none is asked for; a model with values of
+# another head size than its keys gets vLLM's pages (keys then values, unpadded), as vLLM, the engine
+# that serves such models, allocates them.
+DEFAULT_LAYOUT = KVLayout.FLASH_ATTN
+DIFF_KV_LAYOUT = KVLayout.VLLM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +132,9 @@ class RankBuild:
     """What :func:`build_rank` built: the metadata with its groups, and where each cache came from."""
 
     metadata: LMCacheMetadata
+    layout: KVLayout  # the attention caches' layout (the one asked for, or the default for the model)
     model_layer_of: dict[str, int]  # cache name -> model layer number
+    padded_values_of: dict[str, int]  # cache name -> its values' head size, where the layout pads them
     holds_of: dict[str, str]  # cache name -> what it holds ("mamba2 conv+ssm")
     num_blocks: int
     dtypes: CacheDtypes
@@ -131,16 +142,22 @@ class RankBuild:
     cross_attention: CrossAttention | None
 
 
-def _plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, params: EngineParams) -> _LayerPlan:
+def _plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, params: EngineParams,
+          kv_layout: KVLayout) -> _LayerPlan:
     spec = cache.spec
     if not spec.token_indexed:
         layout = KVLayout.RECURRENT
         geometry = CacheGeometry(kv_size=1, num_blocks=params.seqs, block_size=1, num_heads=1,
                                  head_size=spec.state_elements)
     else:
-        layout = params.layout if spec.accepts_layout(params.layout) else KVLayout.MLA
+        layout = kv_layout if spec.accepts_layout(kv_layout) else KVLayout.MLA
+        head_size, value_head_size = cache.head_size, cache.value_head_size
+        if value_head_size is not None and not layout.holds_value_head_size:
+            # K and V planes of one head size: values held padded to the larger.
+            head_size, value_head_size = max(head_size, value_head_size), None
         geometry = CacheGeometry(kv_size=layout.kv_size, num_blocks=1, block_size=params.block_size,
-                                 num_heads=cache.num_kv_heads if layout.holds_kv else 1, head_size=cache.head_size)
+                                 num_heads=cache.num_kv_heads if layout.holds_kv else 1, head_size=head_size,
+                                 value_head_size=value_head_size)
     return _LayerPlan(name=name, model_layer=index, cache=cache, layout=layout, geometry=geometry, dtype=dtype)
 
 
@@ -199,11 +216,12 @@ def _layer_value(plan: _LayerPlan, num_blocks: int) -> Any:
             torch.empty(plan.geometry.num_blocks, *shape, dtype=plan.dtype, device="meta")
             for shape in spec.state_shapes
         )
-    geometry = CacheGeometry(kv_size=plan.geometry.kv_size, num_blocks=num_blocks, block_size=plan.geometry.block_size,
-                             num_heads=plan.geometry.num_heads, head_size=plan.geometry.head_size)
+    geometry = dataclasses.replace(plan.geometry, num_blocks=num_blocks)
     shape = shape_for(plan.layout, geometry)
-    tensors = [torch.empty(shape, dtype=plan.dtype, device="meta") for _ in range(plan.layout.tensors_per_layer or 1)]
-    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+    if plan.layout.tensors_per_layer == 2:  # a (k, v) pair: the values' tensor in their own head size
+        values = (*shape[:-1], geometry.value_head_size or geometry.head_size)
+        return tuple(torch.empty(each, dtype=plan.dtype, device="meta") for each in (shape, values))
+    return torch.empty(shape, dtype=plan.dtype, device="meta")
 
 
 def _cross_attention(image_caches: list[tuple[int, RankCache]], dtypes: CacheDtypes,
@@ -224,15 +242,19 @@ def build_rank(spec: ModelSpec, model_name: str, params: EngineParams) -> RankBu
     """The caches of rank ``params.rank`` of ``spec`` on the meta device, grouped and described."""
     dtypes = resolve_dtypes(spec, kv=params.kv_dtype, state=params.state_dtype,
                             conv_state=params.conv_state_dtype, ssm_state=params.ssm_state_dtype)
+    layer_caches = [layer.rank_caches(params.tp, index) for index, layer in enumerate(spec.layers)]
+    layout = params.layout
+    if layout is None:
+        diff_kv = any(cache.value_head_size is not None for caches in layer_caches for cache in caches)
+        layout = DIFF_KV_LAYOUT if diff_kv else DEFAULT_LAYOUT
     plans: list[_LayerPlan] = []
     image_caches: list[tuple[int, RankCache]] = []
     layers_with_cache = 0
-    for index, layer in enumerate(spec.layers):
-        caches = layer.rank_caches(params.tp, index)
+    for index, caches in enumerate(layer_caches):
         layers_with_cache += bool(caches)
         image_caches += [(index, cache) for cache in caches if cache.tokens_per_image is not None]
         text = _merged(tuple(cache for cache in caches if cache.tokens_per_image is None), dtypes)
-        plans += [_plan(name, index, cache, dtype, params)
+        plans += [_plan(name, index, cache, dtype, params, layout)
                   for name, (cache, dtype) in zip(_names(index, text), text, strict=True)]
     if not plans:
         raise KVGroupsError(f"model {model_name!r} has no layer that keeps a cache")
@@ -241,13 +263,17 @@ def build_rank(spec: ModelSpec, model_name: str, params: EngineParams) -> RankBu
     values = {plan.name: _layer_value(plan, num_blocks) for plan in plans}
     specs = {plan.name: plan.cache.spec for plan in plans}
     layouts = {plan.name: plan.layout for plan in plans if plan.cache.spec.token_indexed}
+    value_head_sizes = {plan.name: plan.geometry.value_head_size for plan in plans
+                        if plan.geometry.value_head_size is not None}
     manager = KVLayerGroupsManager()
-    manager.build_kv_layer_groups(values, specs, layout=layouts)
+    manager.build_kv_layer_groups(values, specs, layout=layouts, value_head_size=value_head_sizes)
     metadata = LMCacheMetadata.for_groups(manager.kv_layer_groups, model_name=model_name, chunk_size=params.chunk_size,
                                           world_size=params.tp, worker_id=params.rank, kv_dtype=dtypes.kv)
     return RankBuild(
-        metadata=metadata,
+        metadata=metadata, layout=layout,
         model_layer_of={plan.name: plan.model_layer for plan in plans},
+        padded_values_of={plan.name: plan.cache.value_head_size for plan in plans
+                          if plan.cache.value_head_size is not None and plan.geometry.value_head_size is None},
         holds_of={plan.name: plan.cache.holds for plan in plans},
         num_blocks=num_blocks, dtypes=dtypes, layers_with_cache=layers_with_cache, cross_attention=cross,
     )

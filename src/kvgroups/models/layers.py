@@ -31,7 +31,8 @@ class RankCache:
     """One cache of one layer on one tensor-parallel rank.
 
     ``num_kv_heads``/``head_size`` describe token-indexed caches (MLA: 1 head of the latent
-    size); ``spec`` carries the per-rank state shapes for recurrent states. ``mixer`` and
+    size), ``value_head_size`` the values' head size where it differs from the keys' (None: the
+    same); ``spec`` carries the per-rank state shapes for recurrent states. ``mixer`` and
     ``part`` say what it is (``mamba2`` / ``conv``). A cache with ``tokens_per_image`` holds
     the keys and values of image tokens (cross-attention), a fixed cost per image, not per
     text token; it is not grouped with the text-token caches.
@@ -41,6 +42,7 @@ class RankCache:
     num_kv_heads: int
     head_size: int
     replicated: bool  # every rank holds the same bytes (MLA latents, heads fewer than ranks)
+    value_head_size: int | None = None
     role: CacheRole = CacheRole.KV
     fixed_dtype: str | None = None  # the cache's own dtype whatever the options (a sparse indexer's uint8 keys)
     mixer: str = "attention"
@@ -98,9 +100,9 @@ def state_part(shape: tuple[int, ...], role: CacheRole, mixer: str, part: str) -
 class AttentionLayer:
     """Keys and values of ``num_kv_heads`` heads; ``spec`` says which tokens.
 
-    ``value_head_size`` (None: ``head_size``) may differ from the keys' head size; K and V
-    planes of one layout have one head size, so values are held padded to the larger of the
-    two, as engines without a separate value head size do.
+    ``value_head_size`` (None: ``head_size``) may differ from the keys' head size (MiMo-V2:
+    192 / 128). The engine decides what that costs: vLLM's pages hold keys then values unpadded;
+    a layout whose K and V planes share one head size holds values padded to the larger of the two.
     """
 
     spec: LayerCacheSpec = field(default_factory=FullAttention)
@@ -109,18 +111,15 @@ class AttentionLayer:
     value_head_size: int | None = None
 
     @property
-    def padded_head_size(self) -> int:
-        return max(self.head_size, self.value_head_size or self.head_size)
-
-    @property
     def summary(self) -> str:
         value = f"/{self.value_head_size}" if self.value_head_size not in (None, self.head_size) else ""
         return f"{self.spec.kind.value} {self.num_kv_heads}x{self.head_size}{value}"
 
     def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
         heads, replicated = split_heads(self.num_kv_heads, tp, "num_kv_heads", layer_index)
-        return (RankCache(spec=self.spec, num_kv_heads=heads, head_size=self.padded_head_size,
-                          replicated=replicated),)
+        values = None if self.value_head_size == self.head_size else self.value_head_size
+        return (RankCache(spec=self.spec, num_kv_heads=heads, head_size=self.head_size, replicated=replicated,
+                          value_head_size=values),)
 
 
 @dataclass(frozen=True, kw_only=True)

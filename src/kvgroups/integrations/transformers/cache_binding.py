@@ -116,7 +116,7 @@ class CacheBinding:
         try:
             key, _ = layer_key(values[template.layer_names[0]], template.layout, template.spec)
             group = KVLayerGroupInfo(template.layer_names, template.layer_indices, key.shape, key.dtype, key.layout,
-                                     key.spec)
+                                     key.spec, value_head_size=key.value_head_size)
             return group, KVTransfer([group], values)
         except KVGroupsError as error:
             raise UnsupportedCacheError(f"the cache's layers no longer group as they did: {error}") from None

@@ -6,9 +6,11 @@ handle like any engine's:
 
 - an attention layer's keys and values ``[1, heads, seq, head_dim]``: a ``(k, v)`` pair in
   ``KV_SPLIT_HND`` with one block of ``seq`` tokens; full attention, or a sliding window of what
-  the layer keeps (``sliding_window - 1`` tokens, transformers' own rule);
-- keys and values of different widths (MLA keeps the compressed latent and the rotated rope key):
-  two ``MLA``-layout parts ``[1, seq, width]``; the indexer keys of sparse attention one more;
+  the layer keeps (``sliding_window - 1`` tokens, transformers' own rule); values may have a head
+  size of their own (MiMo-V2-Flash's 192 / 128), held unpadded in the pair;
+- single-head keys and values of different widths in full attention (MLA keeps the compressed
+  latent and the rotated rope key): two ``MLA``-layout parts ``[1, seq, width]``; the indexer
+  keys of sparse attention one more;
 - each conv and recurrent state of a linear-attention layer (mamba, gated DeltaNet, short conv):
   a ``RecurrentState`` part ``[1, *shape]``, kept exactly as transformers holds it (conv states
   keep all ``kernel`` columns: trimming to ``kernel - 1`` is not right for every model).
@@ -57,8 +59,9 @@ class Part:
     """One kvgroups layer cache read from transformers cache layer ``layer_index``.
 
     ``shape`` is the per-token row shape for token parts (``(heads, head_dim)`` for a K/V pair,
-    ``(1, width)`` for a latent), the state shape for recurrent parts. ``state_index`` tells the
-    states of one linear-attention layer apart.
+    ``(1, width)`` for a latent), the state shape for recurrent parts; ``value_head_dim`` is a
+    pair's values' head size where it differs from the keys'. ``state_index`` tells the states of
+    one linear-attention layer apart.
     """
 
     layer_index: int
@@ -68,6 +71,7 @@ class Part:
     dtype: torch.dtype
     shape: tuple[int, ...]
     state_index: int = 0
+    value_head_dim: int | None = None
 
     @property
     def name(self) -> str:
@@ -87,13 +91,16 @@ def _attention_parts(index: int, layer: Any) -> list[Part]:
     sliding = isinstance(layer, DynamicSlidingWindowLayer)
     # transformers keeps the window less the token being computed.
     spec: LayerCacheSpec = SlidingWindow(window_tokens=int(layer.sliding_window) - 1) if sliding else FullAttention()
-    if keys.shape[1] == values.shape[1] and keys.shape[3] == values.shape[3] and keys.dtype == values.dtype:
-        return [Part(index, PartRole.KV, spec, KVLayout.KV_SPLIT_HND, keys.dtype, (keys.shape[1], keys.shape[3]))]
-    if keys.shape[1] != 1 or values.shape[1] != 1 or sliding:
+    if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
         raise UnsupportedCacheError(
-            f"cache layer {index} holds keys {list(keys.shape)} and values {list(values.shape)} of different "
-            f"widths with several heads or a window; only single-head latents (MLA) are supported"
+            f"cache layer {index} holds keys {list(keys.shape)} {keys.dtype} and values {list(values.shape)} "
+            f"{values.dtype}; expected one head count, length and dtype"
         )
+    latent = keys.shape[1] == 1 and not sliding and keys.shape[3] != values.shape[3]
+    if not latent:  # keys and values per head, of one head size or each of its own
+        value_head_dim = None if keys.shape[3] == values.shape[3] else int(values.shape[3])
+        return [Part(index, PartRole.KV, spec, KVLayout.KV_SPLIT_HND, keys.dtype, (keys.shape[1], keys.shape[3]),
+                     value_head_dim=value_head_dim)]
     return [Part(index, PartRole.KEYS, MLAttention(), KVLayout.MLA, keys.dtype, (1, keys.shape[3])),
             Part(index, PartRole.VALUES, MLAttention(), KVLayout.MLA, values.dtype, (1, values.shape[3]))]
 
@@ -185,7 +192,8 @@ def empty_value(part: Part, num_tokens: int, device: torch.device) -> Any:
         return torch.empty((1, *part.shape), dtype=part.dtype, device=device)
     if part.role is PartRole.KV:
         heads, head_dim = part.shape
-        return tuple(torch.empty(1, heads, num_tokens, head_dim, dtype=part.dtype, device=device) for _ in range(2))
+        return tuple(torch.empty(1, heads, num_tokens, size, dtype=part.dtype, device=device)
+                     for size in (head_dim, part.value_head_dim or head_dim))
     return torch.empty(1, num_tokens, part.shape[1], dtype=part.dtype, device=device)
 
 

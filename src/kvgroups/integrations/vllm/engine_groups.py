@@ -8,7 +8,9 @@ arrive at the same groups (the same fingerprint), which the worker checks. kvgro
 span two vLLM groups, even of equal specs, because each vLLM group has its own block table.
 
 A layer's value is what kvgroups moves: an attention layer's ``[num_blocks, num_heads,
-block_size, 2 * head_size]`` view as it is (layout ``VLLM`` or ``VLLM_CPU``); an MLA layer's
+block_size, 2 * head_size]`` view as it is (layout ``VLLM`` or ``VLLM_CPU``; ``head_size +
+head_size_v`` where values have a head size of their own, MiMo-V2's diff-KV pages, which only
+vLLM's GPU backends write); an MLA layer's
 ``[num_blocks, 1, block_size, head_size]`` view without its head axis (layout ``MLA``); a mamba
 layer's int8 page ``[num_blocks, 1, 1, page_bytes]`` as the state tensors the mixer itself slices
 from it, or as the bytes of those states when they differ in dtype.
@@ -53,7 +55,8 @@ from kvgroups.errors import KVGroupsError, UnsupportedCacheError
 class LayerPlan:
     """One layer's cache as kvgroups sees it: its spec, layout, dtype and sizes.
 
-    Attention: ``num_heads`` x ``head_size`` per token. Mamba: ``page_shapes`` / ``page_dtypes``
+    Attention: ``num_heads`` x ``head_size`` per token, values ``value_head_size`` where they
+    differ (None: ``head_size``). Mamba: ``page_shapes`` / ``page_dtypes``
     are the states vLLM packs into each page, in order; ``states_as_bytes`` moves them as one
     uint8 state when their dtypes differ.
     """
@@ -67,6 +70,7 @@ class LayerPlan:
     page_shapes: tuple[tuple[int, ...], ...] = ()
     page_dtypes: tuple[torch.dtype, ...] = ()
     states_as_bytes: bool = False
+    value_head_size: int | None = None
 
     @property
     def token_indexed(self) -> bool:
@@ -79,8 +83,8 @@ class LayerPlan:
                          for shape in self.spec.state_shapes)
         if self.layout is KVLayout.MLA:
             return torch.empty(num_blocks, block_size, self.head_size, dtype=self.dtype, device="meta")
-        return torch.empty(num_blocks, self.num_heads, block_size, 2 * self.head_size, dtype=self.dtype,
-                           device="meta")
+        return torch.empty(num_blocks, self.num_heads, block_size, self.head_size + (self.value_head_size or
+                           self.head_size), dtype=self.dtype, device="meta")
 
     def value(self, tensor: Any) -> Any:
         """The tensor vLLM registered for this layer as the value kvgroups moves (views, never copies)."""
@@ -166,11 +170,16 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
     if not isinstance(spec, AttentionSpec):
         raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
     problems = []
-    # An MLA page holds one latent row per token (vLLM says: values of 0 elements); others K then V.
+    # An MLA page holds one latent row per token (vLLM says: values of 0 elements); others K then V,
+    # of their own head sizes in a diff-KV page (K rows of head_size, then V rows of head_size_v).
     is_mla = isinstance(spec, MLAAttentionSpec)
-    if spec.head_size_v != (0 if is_mla else spec.head_size):
-        problems.append(f"values of {spec.head_size_v} elements per head differ from keys of {spec.head_size}"
-                        if not is_mla else f"an MLA spec with values of {spec.head_size_v} elements")
+    value_head_size = None if is_mla or spec.head_size_v == spec.head_size else int(spec.head_size_v)
+    if is_mla and spec.head_size_v != 0:
+        problems.append(f"an MLA spec with values of {spec.head_size_v} elements")
+    if value_head_size is not None and not layout.holds_value_head_size:
+        problems.append(f"values of {spec.head_size_v} elements per head differ from keys of {spec.head_size}, and "
+                        f"layout {layout.value} has no such pages (vLLM's CPU backend splits each page in two "
+                        f"halves of one head size; diff-KV attention runs on its GPU backends)")
     if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
         problems.append(f"KV quantization {spec.kv_quant_mode.name} keeps scales outside the page")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
@@ -182,7 +191,7 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
             raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
         return LayerPlan(name, MLAttention(), KVLayout.MLA, spec.dtype, head_size=spec.head_size)
     return LayerPlan(name, _token_kind(name, spec), layout, spec.dtype, num_heads=spec.num_kv_heads,
-                     head_size=spec.head_size)
+                     head_size=spec.head_size, value_head_size=value_head_size)
 
 
 class EnginePlan:
@@ -231,16 +240,19 @@ class EnginePlan:
                 engine_groups.append(engine_group)
                 continue
             manager = KVLayerGroupsManager()
+            value_head_sizes = {name: size for name in names
+                                if (size := self.layers[name].value_head_size) is not None}
             manager.build_kv_layer_groups(
                 {name: values[name] for name in names},
                 {name: self.layers[name].spec for name in names},
                 layout={name: self.layers[name].layout for name in names},
+                value_head_size=value_head_sizes,
             )
             first = len(groups)
             for group in manager.kv_layer_groups:
                 groups.append(KVLayerGroupInfo(
                     list(group.layer_names), [self.layer_index[name] for name in group.layer_names],
-                    group.shape, group.dtype, group.layout, group.spec,
+                    group.shape, group.dtype, group.layout, group.spec, value_head_size=group.value_head_size,
                 ))
             engine_groups.append(replace(engine_group, members=tuple(range(first, len(groups)))))
         return groups, engine_groups
@@ -252,8 +264,11 @@ class EnginePlan:
 
 
 # Attention backends whose pages hold, per (block, head, token), the K row then the V row
-# (layout VLLM), read from their sources; MLA backends keep one latent row per token.
-GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
+# (layout VLLM), read from their sources; MLA backends keep one latent row per token. The diff-KV
+# backends (MiMo-V2's keys of 192 and values of 128) write K rows of head_size then V rows of
+# head_size_v into the same view, and are the only ones that write values of their own size.
+DIFF_KV_BACKENDS = frozenset({"FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV"})
+GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}) | DIFF_KV_BACKENDS
 MLA_BACKENDS = frozenset({"FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
 # The CPU backend's kernel families whose page layout (layout VLLM_CPU) was checked, by reading
 # back what vLLM's cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a
@@ -279,6 +294,10 @@ def check_backends(plan: EnginePlan, forward_context: Mapping[str, Any]) -> None
         elif layer_plan.layout is KVLayout.MLA:
             if backend not in MLA_BACKENDS:
                 problems.append(f"{name}: MLA backend {backend} (known: {', '.join(sorted(MLA_BACKENDS))})")
+        elif layer_plan.value_head_size is not None:
+            if backend not in DIFF_KV_BACKENDS:
+                problems.append(f"{name}: backend {backend} for values of another head size than keys (known: "
+                                f"{', '.join(sorted(DIFF_KV_BACKENDS))})")
         elif backend not in GPU_BACKENDS:
             problems.append(f"{name}: backend {backend} (known: {', '.join(sorted(GPU_BACKENDS))})")
     if problems:

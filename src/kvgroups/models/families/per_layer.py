@@ -111,19 +111,14 @@ def _pattern(config: ConfigFields, num_layers: int) -> list[str]:
     return ["sliding_attention" if kind else "full_attention" for kind in pattern]
 
 
-def _attention(config: ConfigFields, spec: LayerCacheSpec, prefix: str, what: str) -> AttentionLayer:
+def _attention(config: ConfigFields, spec: LayerCacheSpec, prefix: str) -> AttentionLayer:
     """One attention kind's layer from its fields (``swa_`` prefix for the sliding ones), as vLLM reads them."""
     heads_field, head_field = f"{prefix}num_key_value_heads", f"{prefix}head_dim"
     config.require(heads_field, head_field)
     head = config.integer(head_field)
     value = config.integer(f"{prefix}v_head_dim") if config.get(f"{prefix}v_head_dim") is not None else head
-    layer = AttentionLayer(spec=spec, num_kv_heads=config.integer(heads_field), head_size=head,
-                           value_head_size=None if value == head else value)
-    if value != head:
-        config.warn(f"{what} layers: values of {value} dims are held padded to the keys' "
-                    f"{head} (K and V planes of one head size); an engine that stores them unpadded (vLLM's "
-                    f"diff-KV attention) needs {head + value}/{2 * max(head, value)} of these bytes")
-    return layer
+    return AttentionLayer(spec=spec, num_kv_heads=config.integer(heads_field), head_size=head,
+                          value_head_size=None if value == head else value)
 
 
 @family("mimo_v2_flash", defaults={"head_dim": 192, "v_head_dim": 128, "num_key_value_heads": 4,
@@ -143,17 +138,17 @@ def _mimo_v2_flash(config: ConfigFields) -> list[ModelLayer]:
         return _mimo_as_transformers(config, num_layers)
     layer_types = _pattern(config, num_layers)
     window_field = "sliding_window_size" if config.get("sliding_window_size") is not None else "sliding_window"
-    kinds = {"full_attention": _attention(config, FullAttention(), "", "full-attention")}
+    kinds = {"full_attention": _attention(config, FullAttention(), "")}
     if "sliding_attention" in layer_types:
         window = config.integer(window_field)
-        kinds["sliding_attention"] = _attention(config, SlidingWindow(window_tokens=window), "swa_", "sliding")
+        kinds["sliding_attention"] = _attention(config, SlidingWindow(window_tokens=window), "swa_")
     return [kinds[kind] for kind in layer_types]
 
 
 def _mimo_as_transformers(config: ConfigFields, num_layers: int) -> list[ModelLayer]:
     layer_types = _layer_type_list(config, ["full_attention" if index == 0 or (index + 1) % 6 == 0
                                             else "sliding_attention" for index in range(num_layers)])
-    full = _attention(config, FullAttention(), "", "full-attention")
+    full = _attention(config, FullAttention(), "")
     sliding = dataclasses.replace(full, spec=SlidingWindow(window_tokens=config.integer("sliding_window")),
                                   num_kv_heads=2 * full.num_kv_heads)
     return [full if kind == "full_attention" else sliding for kind in layer_types]
