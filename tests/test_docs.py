@@ -143,6 +143,8 @@ def test_library_usage_block_runs_and_its_comments_hold() -> None:
     assert manager.get_group_by_layer_idx(3).kind is LayerKind.FULL_ATTENTION  # type: ignore[attr-defined]
     assert metadata.get_shapes() == [torch.Size([2, 12, 256, 512])] * 2  # type: ignore[attr-defined]
     assert other.kv_layer_groups[0].hidden_dim_size == 512  # type: ignore[attr-defined]
+    (mimo,) = namespace["mimo"].kv_layer_groups  # type: ignore[attr-defined]
+    assert (mimo.head_size, mimo.value_head_size, mimo.chunk_shape(256)) == (192, 128, torch.Size([1, 1, 256, 1280]))
 
 
 def test_data_path_block_runs() -> None:

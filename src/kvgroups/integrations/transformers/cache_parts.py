@@ -96,7 +96,13 @@ def _attention_parts(index: int, layer: Any) -> list[Part]:
             f"cache layer {index} holds keys {list(keys.shape)} {keys.dtype} and values {list(values.shape)} "
             f"{values.dtype}; expected one head count, length and dtype"
         )
-    latent = keys.shape[1] == 1 and not sliding and keys.shape[3] != values.shape[3]
+    latent = keys.shape[1] == 1 and keys.shape[3] != values.shape[3]
+    if latent and sliding:
+        raise UnsupportedCacheError(
+            f"cache layer {index} holds single-head keys {list(keys.shape)} and values {list(values.shape)} of "
+            f"different widths in a sliding window (an MLA latent kept in a window); only full-attention latents "
+            f"are supported"
+        )
     if not latent:  # keys and values per head, of one head size or each of its own
         value_head_dim = None if keys.shape[3] == values.shape[3] else int(values.shape[3])
         return [Part(index, PartRole.KV, spec, KVLayout.KV_SPLIT_HND, keys.dtype, (keys.shape[1], keys.shape[3]),
