@@ -130,6 +130,8 @@ class KVTransfer:
         end: int | None = None,
         state_indices: StateIndices = None,
         out: Sequence[torch.Tensor] | None = None,
+        staging: Sequence[torch.Tensor] | None = None,
+        synchronize: bool = True,
     ) -> list[torch.Tensor]:
         """Gather tokens ``slot_mapping[start:end]`` of every group into one chunk tensor per group.
 
@@ -137,8 +139,12 @@ class KVTransfer:
         (``metadata.get_shapes(num_tokens)``); recurrent groups give the states of
         ``state_indices``, ``[1, num_layers, len(state_indices), state_elements]``. ``out``, one
         contiguous tensor per group on any device (pinned CPU memory for GPU caches), is filled
-        instead of allocating on the caches' device. Everything is checked before any copy; the
-        caches are only read.
+        instead of allocating on the caches' device; ``staging``, one uint8 buffer per group on the
+        caches' device of at least its chunk's bytes, is where the chunks of ``out`` on another
+        device are gathered first (else a temporary buffer is). With ``synchronize=False`` copies
+        to another device may still run on the current stream when this returns: the caller records
+        an event there and waits for it before reading ``out``. Everything is checked before any
+        copy; the caches are only read.
         """
         call = self._check_call(slot_mapping, start, end, state_indices, distinct=False)
         shapes = [group.chunk_shape(call.num_tokens, call.num_states) for group in self.groups]
@@ -151,14 +157,30 @@ class KVTransfer:
             raise ChunkMismatchError(f"out has {len(outputs)} tensors for {len(self.groups)} groups")
         for index, (chunk, shape) in enumerate(zip(outputs, shapes, strict=True)):
             self._check_chunk(index, chunk, shape, "out")
-        staging = Staging(self.device)
-        buffers = [staging.buffer_for(chunk) for chunk in outputs]
+        copies = Staging(self.device)
+        buffers = [copies.buffer_for(chunk) if staging is None else self._staged(index, chunk, staging)
+                   for index, chunk in enumerate(outputs)]
         self._move(call, buffers, scatter=False)
         for chunk, buffer in zip(outputs, buffers, strict=True):
             if buffer is not chunk:
-                staging.copy(chunk, buffer)
-        staging.finish()
+                copies.copy(chunk, buffer)
+        if synchronize:
+            copies.finish()
         return outputs
+
+    def _staged(self, index: int, chunk: torch.Tensor, staging: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Where group ``index``'s chunk is gathered before it is copied to ``chunk``'s device: its staging buffer."""
+        if chunk.device == self.device:
+            return chunk
+        if len(staging) != len(self.groups):
+            raise ChunkMismatchError(f"staging has {len(staging)} buffers for {len(self.groups)} groups")
+        buffer = staging[index]
+        needed = chunk.numel() * chunk.element_size()
+        if (not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.device != self.device
+                or not buffer.is_contiguous() or buffer.numel() < needed):
+            raise ChunkMismatchError(f"staging for group {index} must be a contiguous uint8 tensor of at least "
+                                     f"{needed} bytes on {self.device}")
+        return buffer[:needed].view(chunk.dtype).view(chunk.shape)
 
     def unpack(
         self,
@@ -168,12 +190,15 @@ class KVTransfer:
         start: int = 0,
         end: int | None = None,
         state_indices: StateIndices = None,
+        synchronize: bool = True,
     ) -> None:
         """Write chunk tensors (as :meth:`pack` returns them) into the caches at ``slot_mapping[start:end]``.
 
         Slots outside a group's cache, a slot named twice, and a chunk whose shape or dtype does
         not match its group raise before anything is written. Writes go through the caches' own
-        storage, also for permuted (HND) views.
+        storage, also for permuted (HND) views. With ``synchronize=False`` the copies may still
+        run on the current stream when this returns (GPU caches): the caller records an event
+        there, and reports the caches written (or refills pinned chunks) only once it completed.
         """
         call = self._check_call(slot_mapping, start, end, state_indices, distinct=True)
         chunk_list = list(chunks) if isinstance(chunks, Sequence) else None
@@ -182,11 +207,22 @@ class KVTransfer:
             raise ChunkMismatchError(f"got {count} chunks for {len(self.groups)} groups; pass one per group")
         for index, (group, chunk) in enumerate(zip(self.groups, chunk_list, strict=True)):
             self._check_chunk(index, chunk, group.chunk_shape(call.num_tokens, call.num_states), "chunk")
-        staging = Staging(self.device)
-        staged = [staging.on_device(chunk) for chunk in chunk_list]
+        copies = Staging(self.device)
+        staged = [copies.on_device(chunk) for chunk in chunk_list]
         self._move(call, staged, scatter=True)
-        # The caller may refill its pinned chunks once we return: the uploads must be done by then.
-        staging.finish()
+        if synchronize:  # the caller may refill its pinned chunks once we return: the uploads must be done
+            copies.finish()
+
+    def warm_up(self) -> None:
+        """Compile every kernel this transfer launches, with its real copies' arguments, so that the first
+        save or load compiles nothing: the first slots (and state slot) of every group are copied out
+        and written back, their bytes unchanged. Run it before the caches hold anything of value."""
+        slots = None
+        if self._token_groups:
+            slots = torch.arange(min(16, self._slot_limit), dtype=torch.int64)
+        states = [0] if self._recurrent else None
+        chunks = self.pack(slots, state_indices=states)
+        self.unpack(chunks, slots, state_indices=states)
 
     # --- checks --------------------------------------------------------------------------
     def _check_call(self, slot_mapping: Any, start: int, end: int | None, state_indices: Any, *,

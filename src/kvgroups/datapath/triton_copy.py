@@ -22,6 +22,8 @@ from kvgroups.datapath.address_tables import StateTable, TokenTable, check_still
 from kvgroups.datapath.slots import CallSlots
 
 _BLOCK = 256  # words one program copies per step
+# CUDA's limit on a grid's second axis: longer token runs are launched in pieces of at most this many.
+MAX_GRID_TOKENS = 65_535
 
 
 def _word(*byte_quantities: int) -> torch.dtype:
@@ -30,26 +32,28 @@ def _word(*byte_quantities: int) -> torch.dtype:
 
 
 @triton.jit
-def _copy_rows(bases, offsets, chunk, num_tokens, chunk_row_words, units, unit_words, unit_stride_words,
+def _copy_rows(bases, offsets, chunk, num_tokens, first_token, chunk_row_words, units, unit_words, unit_stride_words,
                element_words, element_stride_words, scatter: tl.constexpr, block: tl.constexpr) -> None:
     plane = tl.program_id(0)
-    token = tl.program_id(1)
+    token = first_token + tl.program_id(1)
     address = tl.load(bases + plane) + tl.load(offsets + token)
     cache = address.to(tl.pointer_type(chunk.dtype.element_ty))
     row = chunk + (plane * num_tokens + token) * chunk_row_words
-    for unit in range(units):
-        for start in range(0, unit_words, block):
-            index = start + tl.arange(0, block)
-            mask = index < unit_words
-            # Word `index` of a piece is word `index % element_words` of element `index //
-            # element_words`; elements lie element_stride_words apart (1 and 1: contiguous words).
-            spread = (index // element_words) * element_stride_words + index % element_words
-            if scatter:
-                words = tl.load(row + unit * unit_words + index, mask=mask)
-                tl.store(cache + unit * unit_stride_words + spread, words, mask=mask)
-            else:
-                words = tl.load(cache + unit * unit_stride_words + spread, mask=mask)
-                tl.store(row + unit * unit_words + index, words, mask=mask)
+    # A row's pieces (one per head in HND layouts) are copied together, every lane busy: a head of 128
+    # bf16 values is 32 words, an eighth of a block.
+    row_words = units * unit_words
+    for start in range(0, row_words, block):
+        index = start + tl.arange(0, block)
+        mask = index < row_words
+        unit = index // unit_words
+        within = index - unit * unit_words
+        # Word `within` of a piece is word `within % element_words` of element `within // element_words`;
+        # elements lie element_stride_words apart (1 and 1: contiguous words).
+        spread = unit * unit_stride_words + (within // element_words) * element_stride_words + within % element_words
+        if scatter:
+            tl.store(cache + spread, tl.load(row + index, mask=mask), mask=mask)
+        else:
+            tl.store(row + index, tl.load(cache + spread, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -106,10 +110,11 @@ class TritonTokenCopier:
             )
             rows = words[table.chunk_offset(call.num_tokens) // size:]
             # Addresses and offsets are bytes; sizes and strides are words (each divides by the word size).
-            grid: Any = (table.num_planes * table.num_layers, call.num_tokens)
-            _copy_rows[grid](bases, offsets, rows, call.num_tokens, table.chunk_row_bytes // size, table.units,
-                             table.unit_bytes // size, table.unit_stride // size, element_words,
-                             element_stride_words, scatter=scatter, block=_BLOCK)
+            for first in range(0, call.num_tokens, MAX_GRID_TOKENS):
+                grid: Any = (table.num_planes * table.num_layers, min(MAX_GRID_TOKENS, call.num_tokens - first))
+                _copy_rows[grid](bases, offsets, rows, call.num_tokens, first, table.chunk_row_bytes // size,
+                                 table.units, table.unit_bytes // size, table.unit_stride // size, element_words,
+                                 element_stride_words, scatter=scatter, block=_BLOCK)
 
 
 class TritonStateCopier:

@@ -103,6 +103,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         check_backends(self.deployment.plan, self._vllm_config.compilation_config.static_forward_context)
         worker.register(kv_caches)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33's sleep mode frees and remaps the caches: the two hooks below follow it."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM 0.33): every copy into or out of the caches done, every binding to them dropped."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up (vLLM 0.33): the caches bound again, their kernels compiled."""
+        if self._worker is not None:
+            self._worker.restore()
+
     def _plans(self) -> KVGroupsConnectorMetadata | None:
         metadata = self._connector_metadata
         return metadata if isinstance(metadata, KVGroupsConnectorMetadata) else None

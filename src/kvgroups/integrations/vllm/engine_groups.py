@@ -182,6 +182,8 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
                         f"halves of one head size; diff-KV attention runs on its GPU backends)")
     if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
         problems.append(f"KV quantization {spec.kv_quant_mode.name} keeps scales outside the page")
+    if getattr(spec, "topk_buffer_width", None) is not None:  # vLLM 0.33's sparse MLA
+        problems.append("its sparse top-k indices buffer is kept beside the page")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
         problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state)")
     if problems:

@@ -4,7 +4,9 @@ vLLM admits a request whose hit loads asynchronously as ``WAITING_FOR_REMOTE_KVS
 blocks, and goes on running the others; the worker reports the request in ``finished_recving``
 (and, if the load failed, in ``failed_recving`` too, so that vLLM recomputes it) once the load is
 done, whether or not the request was aborted meanwhile, since vLLM frees its blocks only then.
-Every load submitted is therefore reported exactly once, whatever happens to it.
+Every load submitted is therefore reported exactly once, whatever happens to it, and only once the
+copies it launched have completed (its event on a GPU): a job returning is not its copies being done,
+and blocks reported while a copy still writes them could be handed to another request.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvgroups.datapath.streams import DONE, Completion
+
 logger = logging.getLogger(__name__)
 
 # Loads running at once: each is bound by reading the store and copying memory, beside the model.
 LOAD_THREADS = 2
-Job = Callable[[bytearray], bool]
+# A job restores a request into its blocks: whether it restored all of it, and the end of its copies.
+Job = Callable[[bytearray], tuple[bool, Completion]]
 
 
 class BackgroundLoads:
@@ -31,49 +36,64 @@ class BackgroundLoads:
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._copying: dict[str, tuple[bool, Completion]] = {}  # ended, their copies maybe not yet
         self._running = 0
         self._idle = threading.Condition(self._lock)
 
     def submit(self, request_id: str, job: Job) -> None:
-        """Run ``job(buffer)`` (whether it restored the request) in the background; reported by :meth:`take`."""
+        """Run ``job(buffer)`` in the background; the request is reported by :meth:`take` once its copies are done."""
         with self._lock:
             self._running += 1
         try:
             self._pool.submit(self._run, request_id, job)
         except RuntimeError:  # shut down: the request must still be reported, as failed
-            self._done(request_id, False)
+            self._done(request_id, False, DONE)
 
     def _run(self, request_id: str, job: Job) -> None:
-        restored = False
+        restored, copies = False, DONE
         try:
             buffer = getattr(self._local, "buffer", None)
             if buffer is None:
                 buffer = self._local.buffer = self._make_buffer()
-            restored = job(buffer)
+            restored, copies = job(buffer)
         except Exception:  # a load must never take the engine down: vLLM recomputes the request
             logger.exception("request %s: loading its stored prefix failed", request_id)
         finally:
-            self._done(request_id, restored)
+            self._done(request_id, restored, copies)
 
-    def _done(self, request_id: str, restored: bool) -> None:
+    def _done(self, request_id: str, restored: bool, copies: Completion) -> None:
         with self._lock:
-            self._finished.add(request_id)
-            if not restored:
-                self._failed.add(request_id)
+            self._copying[request_id] = (restored, copies)
             self._running -= 1
             self._idle.notify_all()
 
+    def _collect(self) -> None:
+        """Move the loads whose copies completed to the finished (and failed) sets; the lock is held."""
+        for request_id, (restored, copies) in list(self._copying.items()):
+            if copies.query():
+                del self._copying[request_id]
+                self._finished.add(request_id)
+                if not restored:
+                    self._failed.add(request_id)
+
     def take(self) -> tuple[set[str], set[str]]:
-        """Requests whose loads ended since the last call (every one, failed or not), and those that failed."""
+        """Requests whose loads ended, copies included, since the last call (every one, failed or not), and
+        those that failed."""
         with self._lock:
+            self._collect()
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
         return finished, failed
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until no load runs (up to ``timeout`` seconds); whether none does."""
+        """Wait until no load runs and every load's copies are done (up to ``timeout`` seconds for the
+        loads); whether none runs."""
         with self._lock:
-            return self._idle.wait_for(lambda: self._running == 0, timeout)
+            idle = self._idle.wait_for(lambda: self._running == 0, timeout)
+            copying = [copies for _, copies in self._copying.values()]
+        for copies in copying:
+            copies.synchronize()
+        return idle
 
     def close(self) -> None:
         """Let running loads finish (they write into the engine's caches), then stop the threads."""

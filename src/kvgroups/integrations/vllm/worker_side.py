@@ -12,6 +12,13 @@ the forward that computed them and before vLLM may hand their blocks to another 
 into host buffers, then encoding and writing on the chunk store's background writer; a save that
 fails is logged and costs a later miss. The copies are the data path's (``KVTransfer``, one per
 kvgroups group, bound once).
+
+On a GPU the worker copies as vLLM's own offloading does (:mod:`~kvgroups.datapath.streams`): loads
+on a stream of their own and saves on another, launched with the caches' device current in the
+launching thread; a save's gather is ordered after the forward by the stream, never by making the
+engine thread wait, and goes through a staging buffer per group allocated (and logged) at
+registration; the writer waits for the save's event before encoding, and a load is reported only
+once its event completed. Every kernel is compiled at registration.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.core.sizes import ceil_div
 from kvgroups.datapath.buffers import HostBufferPool
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.slots import paged_slots
+from kvgroups.datapath.streams import Completion, CopyStream
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
@@ -57,8 +66,44 @@ class WorkerSide:
         self.loads: BackgroundLoads | None = None
         self.reader: EntryReader | None = None
         self.stats: StatsReporter | None = None  # the store's counts since the last step, for vLLM
+        self.load_stream = self.save_stream = CopyStream(torch.device("cpu"))
+        self.staging: list[torch.Tensor] | None = None  # per group, where a save gathers on a GPU
+        self.host_buffers: HostBufferPool | None = None
+        self._registered: dict[str, torch.Tensor] = {}
+        self._bound = ""
+        self._sync_buffer: bytearray | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self._registered = dict(kv_caches)
+        metadata = self._bind(self._registered)
+        settings = self.deployment.settings
+        self.store = KVChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
+                                  encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
+        self.reader = EntryReader(self.store)
+        self.stats = StatsReporter(self.store.stats)
+        self.loads = BackgroundLoads(self.reader.buffer)
+        # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
+        atexit.register(self.close)
+        logger.info("KVGroupsConnector rank %d: %s, store %s", self.rank, self._bound, self.store.store.url)
+
+    def unregister(self) -> None:
+        """Before vLLM's sleep mode frees the caches (vLLM 0.33): wait for every copy into or out of them,
+        then drop every binding to their memory. Loads and saves until :meth:`restore` do nothing."""
+        if self.loads is not None:
+            self.loads.wait()
+        self.save_stream.record().synchronize()  # queued saves' copies out of the caches are done
+        self.transfers, self.load_transfers, self.staging = [], [], None
+        logger.info("KVGroupsConnector rank %d: caches unregistered (sleep)", self.rank)
+
+    def restore(self) -> None:
+        """After vLLM wakes up (vLLM 0.33): bind the caches again, wherever their memory now is."""
+        if not self.transfers and self._registered:
+            self._bind(self._registered)
+            logger.info("KVGroupsConnector rank %d: caches restored (wake-up): %s", self.rank, self._bound)
+
+    def _bind(self, kv_caches: Mapping[str, torch.Tensor]) -> LMCacheMetadata:
+        """Check the registered caches against vLLM's config and bind them for copies (kernels compiled);
+        the rank's metadata."""
         plan = self.deployment.plan
         missing = [name for name in plan.layers if name not in kv_caches]
         if missing:
@@ -75,38 +120,53 @@ class WorkerSide:
         self.transfers = [KVTransfer([group], values) for group in groups]
         # Background loads copy on one thread each: the model's forward has the cores meanwhile.
         self.load_transfers = [KVTransfer([group], values, num_threads=1) for group in groups]
-        settings = self.deployment.settings
-        self.store = KVChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
-                                  encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
-        self.reader = EntryReader(self.store)
-        self.stats = StatsReporter(self.store.stats)
-        self.loads = BackgroundLoads(self.reader.buffer)
-        self._sync_buffer: bytearray | None = None
         device = self.transfers[0].device if self.transfers else torch.device("cpu")
-        self.host_buffers = HostBufferPool(settings.max_pending_bytes, pin=device.type != "cpu")
-        # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
-        atexit.register(self.close)
-        kernel = warm_up(self.transfers[0].device) if self.transfers else "none"
-        logger.info("KVGroupsConnector rank %d: %d groups (%s), kernels %s, store %s", self.rank, len(groups),
-                    ", ".join(f"{group.kind.value} x{len(group.layer_names)}" for group in groups), kernel,
-                    self.store.store.url)
+        if self.host_buffers is None:
+            self.host_buffers = HostBufferPool(self.deployment.settings.max_pending_bytes, pin=device.type != "cpu")
+        self.load_stream, self.save_stream = CopyStream(device), CopyStream(device)
+        staging_bytes = 0
+        if device.type != "cpu":
+            # The device memory saves take beyond vLLM's budget: one chunk per group, reused by every save.
+            self.staging = [torch.empty(group.chunk_bytes(self.chunk_size), dtype=torch.uint8, device=device)
+                            for group in groups]
+            staging_bytes = sum(buffer.numel() for buffer in self.staging)
+        kernel = warm_up(device) if self.transfers else "none"
+        with self.save_stream.launching():
+            for transfer in (*self.transfers, *self.load_transfers):
+                transfer.warm_up()
+        kinds = ", ".join(f"{group.kind.value} x{len(group.layer_names)}" for group in groups)
+        self._bound = (f"{len(groups)} groups ({kinds}), kernels {kernel} on {device} "
+                       f"(save staging {staging_bytes / 2**20:.1f} MiB)")
+        return metadata
 
     # --- loads ------------------------------------------------------------------------------
     def load(self, metadata: KVGroupsConnectorMetadata) -> None:
         """Start this step's asynchronous loads; run its synchronous ones (before the forward)."""
+        if not self.transfers and self._registered:  # asleep (vLLM drains requests first): nothing to write into
+            logger.warning("KVGroupsConnector rank %d: %d loads while the caches are unregistered fail",
+                           self.rank, len(metadata.loads))
         for plan in metadata.loads:
             if plan.asynchronous:
-                self._background_loads().submit(plan.request_id, partial(self._restore, plan, self.load_transfers))
+                self._background_loads().submit(plan.request_id, partial(self._launch, plan, self.load_transfers))
                 continue
             if self._sync_buffer is None:
                 self._sync_buffer = self._reader().buffer()
-            try:
-                loaded = self._restore(plan, self.transfers, self._sync_buffer)
-            except Exception:  # a load must never take the engine down: vLLM recomputes what failed
-                logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
-                loaded = False
+            loaded, copies = self._launch(plan, self.transfers, self._sync_buffer)
+            # The forward that reads these blocks runs after the copies, on the GPU; nothing waits here.
+            self.load_stream.before_engine(copies)
             if not loaded:
                 self._load_errors.update(self._planned_blocks(plan))
+
+    def _launch(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> tuple[bool, Completion]:
+        """Restore ``plan`` on the load stream: whether every entry was there, and the end of its copies
+        (also of a failed load's, which may have written some blocks before it failed)."""
+        with self.load_stream.launching():
+            try:
+                restored = self._restore(plan, transfers, buffer)
+            except Exception:  # a load must never take the engine down: vLLM recomputes what failed
+                logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
+                restored = False
+            return restored, self.load_stream.record()
 
     def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
         """Read every entry the plan needs, once, and copy it into the request's blocks; whether all were there.
@@ -136,17 +196,18 @@ class WorkerSide:
                                        "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
                         return False
                     if not engine_group.token_indexed:
-                        transfers[member].unpack([entry], state_indices=[self._state_block(block_ids)])
+                        transfers[member].unpack([entry], state_indices=[self._state_block(block_ids)],
+                                                 synchronize=False)
                         continue
                     positions = np.arange(max(first, plan.local_tokens), first + self.chunk_size)
                     slots = paged_slots(positions, block_ids, engine_group.block_size)
                     # Tokens whose block is the null block have slid out of the window: nothing to write.
                     kept = slots >= 0
                     if kept.all() and positions.size == self.chunk_size:
-                        transfers[member].unpack([entry], torch.from_numpy(slots))
+                        transfers[member].unpack([entry], torch.from_numpy(slots), synchronize=False)
                     elif kept.any():
                         rows = entry.index_select(2, torch.from_numpy(positions[kept] - first))
-                        transfers[member].unpack([rows], torch.from_numpy(slots[kept]))
+                        transfers[member].unpack([rows], torch.from_numpy(slots[kept]), synchronize=False)
         return True
 
     def _reader(self) -> EntryReader:
@@ -187,6 +248,8 @@ class WorkerSide:
 
     # --- saves ------------------------------------------------------------------------------
     def save(self, metadata: KVGroupsConnectorMetadata) -> None:
+        if not self.transfers and self._registered:  # asleep: the caches' memory is not ours to read
+            return
         for plan in metadata.saves:
             try:
                 self._save(plan)
@@ -214,18 +277,32 @@ class WorkerSide:
             if not packs:
                 continue
             # Queued saves hold host memory from a bounded pool, never the engine's device memory.
-            buffers = self.host_buffers.take([
+            buffers = self._host_buffers().take([
                 (self.deployment.groups[member].chunk_shape(self.chunk_size), self.deployment.groups[member].dtype)
                 for member in packs])
             if buffers is None:
                 store.stats.dropped("no_buffer")
                 continue
             tensors = {}
-            for (member, how), buffer in zip(packs.items(), buffers, strict=True):
-                tensors[member] = self.transfers[member].pack(out=[buffer], **how)[0]
-            store.save_chunk(keys[chunk], chunk, tensors, release=partial(self.host_buffers.give_back, buffers))
+            with self.save_stream.launching():
+                # After the forward that computed these tokens, on the save stream: the engine thread
+                # does not wait for it.
+                self.save_stream.after_engine()
+                for (member, how), buffer in zip(packs.items(), buffers, strict=True):
+                    staging = None if self.staging is None else [self.staging[member]]
+                    tensors[member] = self.transfers[member].pack(out=[buffer], staging=staging, synchronize=False,
+                                                                  **how)[0]
+                copies = self.save_stream.record()
+            # The writer waits for the copies before it encodes the buffers.
+            store.save_chunk(keys[chunk], chunk, tensors, release=partial(self._host_buffers().give_back, buffers),
+                             ready=copies.synchronize)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _host_buffers(self) -> HostBufferPool:
+        if self.host_buffers is None:
+            raise KVGroupsError("register_kv_caches was not called before the first save")
+        return self.host_buffers
+
     def _bound_store(self) -> KVChunkStore:
         if self.store is None:
             raise KVGroupsError("register_kv_caches was not called before the first load or save")
