@@ -37,7 +37,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PIP) -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test test-vllm bench redis-server
+.PHONY: setup demo test test-vllm bench redis-server gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -64,6 +64,14 @@ test: $(VENV)/.installed redis-server
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
 test-vllm: $(VLLM_VENV)/.installed redis-server
 	$(VLLM_BIN)/pytest -n 2 --durations=8 tests/vllm_connector
+
+# The data path on a CUDA GPU, one table (benchmarks/gpu_check.py): run with GPU_PYTHON (default python3)
+# where it has a CUDA build of torch with Triton, else with the CPU environment, which says in one line
+# that there is no GPU. Its CPU part runs in `make test` (tests/test_gpu_check.py).
+GPU_PYTHON ?= python3
+gpu-check:
+	@if $(GPU_PYTHON) -c "import torch, triton" 2>/dev/null; then PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py; \
+	else $(MAKE) -s $(VENV)/.installed-demo && $(BIN)/python benchmarks/gpu_check.py; fi
 
 bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/groups.py

@@ -162,6 +162,21 @@ def test_a_missing_recurrent_state_is_never_reported_as_a_hit() -> None:
         assert store.lookup(tokens) == 16
 
 
+def test_a_lookup_can_count_only_some_groups() -> None:
+    """What a store holds of some groups (where another store holds the others': another rank's keys)."""
+    metadata = build_metadata([("full", 0), ("recurrent", 0)])
+    tokens = list(range(40))
+    with KVChunkStore(metadata, MemoryStore()) as store:
+        keys = store.keys(tokens)
+        for chunk in range(5):
+            store.save_chunk(keys[chunk], chunk, {0: chunk_tensors(store, tokens, chunk)[0]})  # K/V only
+        store.flush()
+        assert store.lookup(tokens) == 0  # no state anywhere
+        assert store.locate(tokens, groups=[0]).num_tokens == 40
+        assert store.locate(tokens, groups=[1]).num_tokens == 0
+        assert store.locate(tokens, groups=[]).num_tokens == 0
+
+
 def test_sliding_groups_read_only_their_window() -> None:
     """Gemma-3-like: 5 sliding (1024) layers per full layer, 256-token chunks, a 64k-token prefix."""
     kinds = [("sliding", 1024)] * 5 + [("full", 0)]

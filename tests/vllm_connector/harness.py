@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -86,7 +94,8 @@ def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, nu
 
 
 def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
-                role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False) -> VllmConfig:
+                role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False,
+                tp: int = 1) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_MODEL_LEN,
                                 enable_chunked_prefill=True, is_encoder_decoder=False,
@@ -98,7 +107,7 @@ def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16,
     transfer = KVTransferConfig(kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
                                 kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, kv_transfer_config=transfer,
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -150,22 +159,31 @@ class SchedulerHarness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, worker: FakeWorker | None = None, *, before_load: Any = None) -> Step:
-        """One engine step: schedule, hand the plans to ``worker`` (loads, saves; asynchronous loads
-        run to their end within the step, ``before_load()`` first), and report what it finished."""
+    def step(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, *, before_load: Any = None) -> Step:
+        """One engine step: schedule, hand the plans to ``worker`` (or to each tensor-parallel rank's:
+        loads, saves; asynchronous loads run to their end within the step, ``before_load()`` first),
+        and report what it finished (as vLLM aggregates ranks: a load finished once every rank's is,
+        failed where any rank's did)."""
         output = self.scheduler.schedule()
         metadata = output.kv_connector_metadata
         assert isinstance(metadata, KVGroupsConnectorMetadata)
         step = Step(output, metadata)
         connector_output = None
-        if worker is not None:
+        workers = worker if isinstance(worker, tuple) else (worker,) if worker is not None else ()
+        if workers:
             if before_load is not None and metadata.loads:
                 before_load()
-            worker.side.load(metadata)
-            worker.side.save(metadata)
-            assert worker.side.wait_for_loads(timeout=60)
-            step.finished_loads, step.failed_loads = worker.side.finished_loads()
-            step.invalid_blocks = worker.side.take_load_errors()
+            finished: list[set[str]] = []
+            for each in workers:
+                each.side.load(metadata)
+                each.side.save(metadata)
+                assert each.side.wait_for_loads(timeout=60)
+                done, failed = each.side.finished_loads()
+                finished.append(done)
+                step.failed_loads |= failed
+                step.invalid_blocks |= each.side.take_load_errors()
+            step.finished_loads = set.intersection(*finished)
+            worker = workers[0]
             # What the worker's connector hands vLLM each step (KVGroupsConnector.get_kv_connector_stats).
             stats = worker.side.stats.take() if worker.side.stats is not None else None
             connector_output = KVConnectorOutput(finished_recving=step.finished_loads or None,
@@ -184,18 +202,18 @@ class SchedulerHarness:
         step.scheduler_stats = next((outputs[index].scheduler_stats for index in outputs), None)
         return step
 
-    def run(self, worker: FakeWorker | None = None, max_steps: int = 50) -> list[Step]:
+    def run(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, max_steps: int = 50) -> list[Step]:
         """Step until every request finished, handing each step's plans to ``worker`` as an engine would."""
         steps: list[Step] = []
         while self.scheduler.has_unfinished_requests() and len(steps) < max_steps:
             steps.append(self.step(worker))
             if not steps[-1].output.num_scheduled_tokens:
                 time.sleep(0.005)  # a lookup or a load runs in the background
-        if worker is not None:
-            worker.side.flush()
+        for each in worker if isinstance(worker, tuple) else (worker,) if worker is not None else ():
+            each.side.flush()
         return steps
 
-    def admit(self, worker: FakeWorker, request_id: str, *, before_load: Any = None,
+    def admit(self, worker: FakeWorker | tuple[FakeWorker, ...], request_id: str, *, before_load: Any = None,
               deadline_seconds: float = 30.0) -> tuple[list[Step], int, Any]:
         """Step until ``request_id`` is scheduled: the steps, its computed tokens then (local + loaded),
         and its load plan (None without one). A step that schedules nothing (a lookup running in
@@ -216,14 +234,14 @@ class FakeWorker:
     """A worker's caches laid out as vLLM allocates them, bound to a WorkerSide."""
 
     def __init__(self, config: VllmConfig, kv_cache_config: KVCacheConfig, layout: KVLayout = KVLayout.VLLM_CPU,
-                 seed: int = 0) -> None:
+                 seed: int = 0, rank: int = 0) -> None:
         self.deployment = Deployment(config, kv_cache_config, layout=layout)
         self.kv_cache_config = kv_cache_config
         size = kv_cache_config.kv_cache_tensors[0].size
         generator = torch.Generator().manual_seed(seed)
         self.buffer = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
         self.caches = self._views(layout)
-        self.side = WorkerSide(self.deployment, rank=0)
+        self.side = WorkerSide(self.deployment, rank=rank)
         self.side.register(self.caches)
 
     def _views(self, layout: KVLayout) -> dict[str, torch.Tensor]:

@@ -378,6 +378,38 @@ def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path,
     assert model_identity(vllm_config(copy, extra)) != original
 
 
+def test_mla_latents_are_saved_by_rank_0_alone_and_loaded_by_every_rank(gemma3_dir: Path, tmp_path: Path,
+                                                                        layout: KVLayout) -> None:
+    """vLLM replicates MLA latents on every tensor-parallel rank: rank 0 stores them once, under its keys, and
+    every rank loads them from there; what ranks hold apart (full attention) each rank stores and loads."""
+    tokens, extra, kinds = prompt(150), file_store(tmp_path), ["mla", "full"]
+    kv = cache_config(kinds)
+    config = vllm_config(gemma3_dir, extra, tp=2)
+    fillers = tuple(FakeWorker(config, kv, layout=layout, seed=seed, rank=rank) for rank, seed in ((0, 0), (1, 5)))
+    filler = SchedulerHarness(config, kv)
+    filler.add("fill", tokens)
+    (save,) = filler.run(fillers)[0].metadata.saves
+    deployment = fillers[0].deployment
+    assert deployment.shared_groups == {0} and deployment.owned_groups(1) == [1]
+    rank_stores = filler.connector._scheduler.rank_stores
+    keys = [store.keys(tokens[:128]) for store in rank_stores]
+    assert [store.locate(None, keys=rank_keys, groups=[0]).num_tokens for store, rank_keys in zip(
+        rank_stores, keys, strict=True)] == [128, 0]  # the latents: rank 0's entries only
+    assert [store.locate(None, keys=rank_keys, groups=[1]).num_tokens for store, rank_keys in zip(
+        rank_stores, keys, strict=True)] == [128, 128]
+    harness = SchedulerHarness(config, kv)
+    workers = tuple(FakeWorker(config, kv, layout=layout, seed=seed, rank=rank) for rank, seed in ((0, 1), (1, 2)))
+    harness.add("reuse", tokens)
+    _, computed, load = harness.admit(workers, "reuse")
+    assert computed == 128 and load.num_tokens == 128
+    for worker, filled in zip(workers, fillers, strict=True):
+        (got_mla, got_full) = token_rows(worker, load.block_ids, range(128))
+        (_, want_full) = token_rows(filled, save.block_ids, range(128))
+        (want_mla, _) = token_rows(fillers[0], save.block_ids, range(128))  # every rank: rank 0's latents
+        assert torch.equal(got_mla.view(torch.uint8), want_mla.view(torch.uint8))
+        assert torch.equal(got_full.view(torch.uint8), want_full.view(torch.uint8))
+
+
 def test_diff_kv_pages_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's diff-KV pages (MiMo-V2): ``[num_blocks, heads, block_size, head_size + head_size_v]``, K rows of

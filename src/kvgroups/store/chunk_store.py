@@ -225,26 +225,26 @@ class KVChunkStore:
         """
         return self.locate(token_ids, keys=keys).num_tokens
 
-    def locate(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None) -> StoredPrefix:
-        """What :meth:`lookup` finds, with the tokens each tier holds of it (for hit rates per tier)."""
+    def locate(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None,
+               groups: Sequence[int] | None = None) -> StoredPrefix:
+        """What :meth:`lookup` finds, with the tokens each tier holds of it; only ``groups`` (default all) count."""
         begin = time.perf_counter()
         keys = self._keys_of(token_ids, keys)
-        found = self._locate(keys)
+        found = self._locate(keys, range(len(self.groups)) if groups is None else groups)
         self.stats.looked_up(len(keys) * self.chunk_size, found.tokens_by_tier, time.perf_counter() - begin)
         return found
 
-    def _locate(self, keys: list[str]) -> StoredPrefix:
-        if not keys or not self._backoff.available():
+    def _locate(self, keys: list[str], groups: Sequence[int]) -> StoredPrefix:
+        if not keys or not groups or not self._backoff.available():
             return StoredPrefix(0)
-        groups = range(len(self.groups))
         try:
             located = self.store.locate_many([self.entry_key(key, group) for group in groups for key in keys])
         except OSError as error:
             self._failed("lookup", error)
             return StoredPrefix(0)
-        rows = [located[group * len(keys):(group + 1) * len(keys)] for group in groups]
-        return stored_prefix([group.spec for group in self.groups], rows, self.chunk_size,
-                             [tier.tier_name for tier in self.store.tiers])
+        rows = [located[position * len(keys):(position + 1) * len(keys)] for position in range(len(groups))]
+        specs = [self.groups[group].spec for group in groups]
+        return stored_prefix(specs, rows, self.chunk_size, [tier.tier_name for tier in self.store.tiers])
 
     def load(self, token_ids: TokenIds | None, num_tokens: int, *,
              keys: Sequence[str] | None = None) -> LoadedPrefix:
@@ -290,7 +290,7 @@ class KVChunkStore:
             tensors = self._read(keys)
             if tensors is not None:
                 return tensors, keys
-            shorter = self._locate(keys[:-1]).num_tokens if len(keys) > 1 else 0
+            shorter = self._locate(keys[:-1], range(len(self.groups))).num_tokens if len(keys) > 1 else 0
             keys = keys[: shorter // self.chunk_size]
         return {}, []
 

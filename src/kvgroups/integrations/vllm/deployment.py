@@ -42,6 +42,9 @@ class Deployment:
         self.engine_id = transfer.engine_id
         # The groups every rank must register (the worker checks), and each vLLM group's members among them.
         self.groups, self.engine_groups = self.plan.build_groups(self.plan.meta_values(int(kv_cache_config.num_blocks)))
+        # Groups whose bytes are the same on every rank (MLA latents, a sparse indexer's keys: vLLM
+        # replicates them): stored once, by rank 0 under its keys, and read from there by every rank.
+        self.shared_groups = frozenset(index for index, group in enumerate(self.groups) if group.layout is KVLayout.MLA)
         # vLLM recomputes a failed synchronous load block by block, which it refuses (raises) for a
         # model of several KV-cache groups, whose block ids are per group: such models load
         # asynchronously, whose failures are per request.
@@ -57,6 +60,10 @@ class Deployment:
             f"the connector restores states in mamba_cache_mode 'none' (vLLM's prefix caching off)"
             if modes - {"none"} else None
         )
+
+    def owned_groups(self, rank: int) -> list[int]:
+        """The groups rank ``rank`` saves, and whose entries are found under its keys."""
+        return [index for index in range(len(self.groups)) if rank == 0 or index not in self.shared_groups]
 
     def metadata(self, rank: int, groups: list[KVLayerGroupInfo], role: str) -> LMCacheMetadata:
         """The metadata of rank ``rank`` with ``groups`` (from :attr:`groups`, or from registered tensors)."""

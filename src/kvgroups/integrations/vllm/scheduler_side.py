@@ -117,7 +117,9 @@ class SchedulerSide:
     def _stored_hit(self, state: _RequestState, usable: int) -> int:
         """The longest boundary every rank's entries exist at (none is read: the worker checks them)."""
         tokens = state.tokens[:usable]
-        found = [store.locate(None, keys=store.keys(tokens, request_salt=state.salt)) for store in self.rank_stores]
+        # Each rank's own groups under its keys; groups every rank holds alike under rank 0's.
+        found = [store.locate(None, keys=store.keys(tokens, request_salt=state.salt), groups=owned)
+                 for rank, store in enumerate(self.rank_stores) if (owned := self.deployment.owned_groups(rank))]
         hit = min(prefix.num_tokens for prefix in found)
         # A chunk is as slow as the slowest tier any rank reads it from.
         state.chunk_tiers = tuple(max((prefix.chunk_tiers[chunk] for prefix in found), key=self._tier_names.index)

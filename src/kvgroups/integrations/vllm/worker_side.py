@@ -72,6 +72,8 @@ class WorkerSide:
         self._registered: dict[str, torch.Tensor] = {}
         self._bound = ""
         self._sync_buffer: bytearray | None = None
+        self.shared_store: KVChunkStore | None = None  # rank 0's entries, on the other ranks
+        self.shared_reader: EntryReader | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self._registered = dict(kv_caches)
@@ -82,6 +84,11 @@ class WorkerSide:
         self.reader = EntryReader(self.store)
         self.stats = StatsReporter(self.store.stats)
         self.loads = BackgroundLoads(self.reader.buffer)
+        if self.rank and self.deployment.shared_groups:  # what every rank holds alike is read under rank 0's keys
+            self.shared_store = KVChunkStore(self.deployment.metadata(0, self.deployment.groups, "worker"),
+                                             self.store.store, salt=settings.salt, secret=settings.secret,
+                                             encrypt=settings.encrypt)
+            self.shared_reader = EntryReader(self.shared_store)
         # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
         atexit.register(self.close)
         logger.info("KVGroupsConnector rank %d: %s, store %s", self.rank, self._bound, self.store.store.url)
@@ -182,6 +189,8 @@ class WorkerSide:
     def _restore_entries(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
         store = self._bound_store()
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
+        shared_keys = (self.shared_store.keys(plan.tokens, request_salt=plan.request_salt)
+                       if self.shared_store is not None else keys)
         num_chunks = plan.num_tokens // self.chunk_size
         for engine_group in self.engine_groups:
             block_ids = np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
@@ -190,7 +199,9 @@ class WorkerSide:
                     first = chunk * self.chunk_size
                     if engine_group.token_indexed and first + self.chunk_size <= plan.local_tokens:
                         continue  # in vLLM's own prefix cache already
-                    entry = self._reader().read(keys[chunk], member, chunk, buffer)
+                    shared = self.shared_reader is not None and member in self.deployment.shared_groups
+                    reader = self.shared_reader if shared and self.shared_reader is not None else self._reader()
+                    entry = reader.read((shared_keys if shared else keys)[chunk], member, chunk, buffer)
                     if entry is None:
                         logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes "
                                        "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
@@ -261,6 +272,7 @@ class WorkerSide:
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         block_ids_of = {engine_group.index: np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
                         for engine_group in self.engine_groups}
+        owned = set(self.deployment.owned_groups(self.rank))  # rank 0 alone saves what every rank holds alike
         for chunk in plan.chunks:
             positions = np.arange(chunk * self.chunk_size, (chunk + 1) * self.chunk_size)
             packs: dict[int, dict[str, Any]] = {}  # group -> how to pack it
@@ -270,10 +282,12 @@ class WorkerSide:
                     slots = paged_slots(positions, block_ids, engine_group.block_size)
                     if (slots < 0).any():
                         continue  # part of the chunk has left this group's blocks (a window moved on)
-                    packs.update({member: {"slot_mapping": torch.from_numpy(slots)} for member in engine_group.members})
+                    packs.update({member: {"slot_mapping": torch.from_numpy(slots)} for member in engine_group.members
+                                  if member in owned})
                 elif plan.step_end == (chunk + 1) * self.chunk_size and engine_group.state_mode == "none":
                     state = self._state_block(block_ids)
-                    packs.update({member: {"state_indices": [state]} for member in engine_group.members})
+                    packs.update({member: {"state_indices": [state]} for member in engine_group.members
+                                  if member in owned})
             if not packs:
                 continue
             # Queued saves hold host memory from a bounded pool, never the engine's device memory.
@@ -323,6 +337,9 @@ class WorkerSide:
         loads, self.loads = self.loads, None
         if loads is not None:
             loads.close()
+        shared, self.shared_store = self.shared_store, None
+        if shared is not None:
+            shared.close()
         store, self.store = self.store, None
         if store is not None:
             store.close()
