@@ -4,11 +4,14 @@ launches split under CUDA's grid limit, and completions that are done when a CPU
 from __future__ import annotations
 
 import importlib.util
+import threading
 
+import numpy as np
 import pytest
 import torch
 
 from kvgroups import KVLayerGroupsManager, KVLayout, RecurrentState
+from kvgroups.datapath.buffers import ReadBuffers
 from kvgroups.datapath.streams import DONE, CopyStream
 from kvgroups.transfer import KVTransfer
 
@@ -82,3 +85,31 @@ def test_on_the_cpu_a_copy_is_done_when_its_call_returns() -> None:
         done = stream.record()
     assert done is DONE and done.query()
     stream.before_engine(done)  # nothing to order on the CPU
+
+
+def test_a_read_buffer_is_refilled_only_once_the_copy_out_of_it_completed() -> None:
+    class Pending:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def query(self) -> bool:
+            return self.done.is_set()
+
+        def synchronize(self) -> None:
+            assert self.done.wait(10)
+
+    buffers = ReadBuffers(64, pin=False)
+    first, array = buffers.take()
+    assert array.dtype == np.uint8 and array.shape == (64,) and array.flags.writeable
+    copying = Pending()
+    buffers.copied(first, copying)
+    second, _ = buffers.take()  # the other buffer: free at once
+    assert second != first
+    taken: list[int] = []
+    waiter = threading.Thread(target=lambda: taken.append(buffers.take()[0]))
+    waiter.start()
+    waiter.join(0.2)
+    assert taken == []  # the first buffer is still being copied from
+    copying.done.set()
+    waiter.join(10)
+    assert taken == [first]

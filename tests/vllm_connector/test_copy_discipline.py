@@ -106,8 +106,10 @@ def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
     _, computed, load = fresh.admit(second, "reuse")
     assert computed == 96 and load.asynchronous
     loads = [launch for launch in launches if launch[0] == "load"]
-    # The load ran in a load thread, inside the load stream (where the caches' device is made current).
-    assert loads == [("load", loads[0][1], "launch"), ("load", loads[0][1], "record")]
+    # The load ran in a load thread, inside the load stream (where the caches' device is made current): an
+    # event after each of its 4 entries (sliding: 1 chunk, full: 3), whose buffer is refilled after it, and
+    # one after them all, which says when the load is done.
+    assert loads == [("load", loads[0][1], "launch")] + [("load", loads[0][1], "record")] * 5
     assert loads[0][1].startswith("kvgroups-load")
 
 

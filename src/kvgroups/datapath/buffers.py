@@ -1,4 +1,5 @@
-"""Chunk buffers for ``pack`` calls without ``out=``: memory reused once nobody holds it any more.
+"""Host buffers reused across copies: chunks for ``pack`` calls without ``out=``, buffers for queued
+saves (:class:`HostBufferPool`) and the buffers loads read entries into (:class:`ReadBuffers`).
 
 Page-faulting a fresh 32 MiB tensor costs this kind of machine about twice what copying a chunk
 into it does, and torch's CPU allocator returns large blocks to the system. A :class:`ChunkPool`
@@ -13,7 +14,10 @@ import math
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
+
+from kvgroups.datapath.streams import DONE, Completion
 
 # The number of references a pooled storage has when only the pool holds it.
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
@@ -108,3 +112,28 @@ class HostBufferPool:
 
 def _bytes(buffer: torch.Tensor) -> int:
     return buffer.numel() * buffer.element_size()
+
+
+class ReadBuffers:
+    """Host buffers a reader reuses in turn: pinned where the copies out of them go to a GPU (so the copies
+    run asynchronously), and each refilled only once the copy out of it has completed.
+
+    Two of them let the next entry be read while the last one is still being copied to the device.
+    """
+
+    def __init__(self, size: int, *, pin: bool, count: int = 2) -> None:
+        self._tensors = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
+        self._arrays = [tensor.numpy() for tensor in self._tensors]
+        self._copies: list[Completion] = [DONE] * count
+        self._next = 0
+
+    def take(self) -> tuple[int, np.ndarray]:
+        """The next buffer (its index, and its bytes as an array), once the last copy out of it is done."""
+        index = self._next
+        self._next = (index + 1) % len(self._arrays)
+        self._copies[index].synchronize()
+        return index, self._arrays[index]
+
+    def copied(self, index: int, copies: Completion) -> None:
+        """Buffer ``index`` is being copied from until ``copies`` completes."""
+        self._copies[index] = copies

@@ -258,6 +258,9 @@ class KVTransfer:
                 if unique.size != values.size:
                     raise SlotMappingError(f"slot_mapping maps several tokens to slots "
                                            f"{unique[counts > 1][:8].tolist()}; two tokens cannot own one slot")
+        if self.device.type == "cuda" and slots.device.type == "cpu":
+            # From pinned memory the upload is queued on the stream, not waited for.
+            return cpu_slots.pin_memory().to(self.device, non_blocking=True), cpu_slots
         return slots.to(self.device), cpu_slots
 
     def _raise_out_of_range(self, cpu_slots: torch.Tensor) -> None:

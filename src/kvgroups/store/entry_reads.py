@@ -12,6 +12,7 @@ counted in the chunk store's stats; a store that fails is left alone for a while
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -30,15 +31,19 @@ class EntryReader:
         self._log = RateLimitedLog(logger)
         self._backoff = Backoff(store.store.url, self._log)
 
-    def buffer(self) -> bytearray:
-        """A buffer that holds any one entry of the store's groups (and one byte more, to see a longer value)."""
+    def buffer_size(self) -> int:
+        """Bytes that hold any one entry of the store's groups (and one byte more, to see a longer value)."""
         groups = range(len(self.store.groups))
-        return bytearray(max(self.store.entry_info("", group, 0).max_entry_bytes for group in groups) + 1)
+        return max(self.store.entry_info("", group, 0).max_entry_bytes for group in groups) + 1
 
-    def read(self, key: str, group_index: int, chunk_index: int, buffer: bytearray) -> torch.Tensor | None:
-        """The entry's tensor, a view of ``buffer`` (an encrypted entry's plaintext is new memory): use
-        it before reading the next entry into the same buffer. None when it is missing, corrupt
-        (then deleted) or the store fails."""
+    def buffer(self) -> bytearray:
+        """A buffer of :meth:`buffer_size` bytes."""
+        return bytearray(self.buffer_size())
+
+    def read(self, key: str, group_index: int, chunk_index: int, buffer: Any) -> torch.Tensor | None:
+        """The entry's tensor, a view of ``buffer`` (any writable contiguous bytes: a bytearray, a uint8
+        array; an encrypted entry's plaintext is new memory): use it before reading the next entry into
+        the same buffer. None when it is missing, corrupt (then deleted) or the store fails."""
         info = self.store.entry_info(key, group_index, chunk_index)
         if not self._backoff.available():
             return None

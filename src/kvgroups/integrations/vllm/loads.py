@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from kvgroups.datapath.streams import DONE, Completion
 
@@ -22,14 +23,15 @@ logger = logging.getLogger(__name__)
 
 # Loads running at once: each is bound by reading the store and copying memory, beside the model.
 LOAD_THREADS = 2
-# A job restores a request into its blocks: whether it restored all of it, and the end of its copies.
-Job = Callable[[bytearray], tuple[bool, Completion]]
+# A job restores a request into its blocks, reading into its thread's buffers: whether it restored all of
+# it, and the end of its copies.
+Job = Callable[[Any], tuple[bool, Completion]]
 
 
 class BackgroundLoads:
-    """Loads run by ``threads`` threads, each with a buffer from ``make_buffer`` it reuses for every entry."""
+    """Loads run by ``threads`` threads, each with buffers from ``make_buffer`` it reuses for every entry."""
 
-    def __init__(self, make_buffer: Callable[[], bytearray], threads: int = LOAD_THREADS) -> None:
+    def __init__(self, make_buffer: Callable[[], Any], threads: int = LOAD_THREADS) -> None:
         self._make_buffer = make_buffer
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvgroups-load")

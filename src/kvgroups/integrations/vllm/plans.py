@@ -9,11 +9,17 @@ vLLM's, one list per KV-cache group, as of this step.
 from __future__ import annotations
 
 import json
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvgroups.datapath.slots import paged_slots
+from kvgroups.errors import KVGroupsError
+from kvgroups.integrations.vllm.engine_groups import EngineGroup
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,34 @@ class SavePlan:
     @property
     def tokens(self) -> np.ndarray:
         return np.frombuffer(self.token_bytes, dtype="<u4")
+
+    def packs(self, chunk: int, engine_groups: Sequence[EngineGroup], owned: Container[int],
+              chunk_size: int) -> dict[int, dict[str, Any]]:
+        """How to pack chunk ``chunk`` of each kvgroups group among ``owned``: the slots of its tokens, or
+        its state block; groups that cannot save it now (above) are left out."""
+        positions = np.arange(chunk * chunk_size, (chunk + 1) * chunk_size)
+        packs: dict[int, dict[str, Any]] = {}
+        for engine_group in engine_groups:
+            block_ids = np.asarray(self.block_ids[engine_group.index], dtype=np.int64)
+            how: dict[str, Any]
+            if engine_group.token_indexed:
+                slots = paged_slots(positions, block_ids, engine_group.block_size)
+                if (slots < 0).any():
+                    continue  # part of the chunk has left this group's blocks (a window moved on)
+                how = {"slot_mapping": torch.from_numpy(slots)}
+            elif self.step_end == (chunk + 1) * chunk_size and engine_group.state_mode == "none":
+                how = {"state_indices": [state_block(block_ids)]}
+            else:
+                continue
+            packs.update({member: how for member in engine_group.members if member in owned})
+        return packs
+
+
+def state_block(block_ids: np.ndarray) -> int:
+    """A recurrent group's one state block, from its block ids."""
+    if block_ids.size != 1 or block_ids[0] == 0:
+        raise KVGroupsError(f"a recurrent group's blocks are {block_ids.tolist()}; expected its one state block")
+    return int(block_ids[0])
 
 
 @dataclass

@@ -28,22 +28,22 @@ import logging
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.core.sizes import ceil_div
-from kvgroups.datapath.buffers import HostBufferPool
+from kvgroups.datapath.buffers import HostBufferPool, ReadBuffers
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.slots import paged_slots
 from kvgroups.datapath.streams import Completion, CopyStream
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.engine_groups import EngineGroup
 from kvgroups.integrations.vllm.loads import BackgroundLoads
-from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, state_block
 from kvgroups.integrations.vllm.stats import StatsReporter
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.entry_reads import EntryReader
@@ -71,7 +71,7 @@ class WorkerSide:
         self.host_buffers: HostBufferPool | None = None
         self._registered: dict[str, torch.Tensor] = {}
         self._bound = ""
-        self._sync_buffer: bytearray | None = None
+        self._sync_buffers: ReadBuffers | None = None
         self.shared_store: KVChunkStore | None = None  # rank 0's entries, on the other ranks
         self.shared_reader: EntryReader | None = None
 
@@ -83,7 +83,7 @@ class WorkerSide:
                                   encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
         self.reader = EntryReader(self.store)
         self.stats = StatsReporter(self.store.stats)
-        self.loads = BackgroundLoads(self.reader.buffer)
+        self.loads = BackgroundLoads(self._read_buffers)
         if self.rank and self.deployment.shared_groups:  # what every rank holds alike is read under rank 0's keys
             self.shared_store = KVChunkStore(self.deployment.metadata(0, self.deployment.groups, "worker"),
                                              self.store.store, salt=settings.salt, secret=settings.secret,
@@ -156,37 +156,42 @@ class WorkerSide:
             if plan.asynchronous:
                 self._background_loads().submit(plan.request_id, partial(self._launch, plan, self.load_transfers))
                 continue
-            if self._sync_buffer is None:
-                self._sync_buffer = self._reader().buffer()
-            loaded, copies = self._launch(plan, self.transfers, self._sync_buffer)
+            if self._sync_buffers is None:
+                self._sync_buffers = self._read_buffers()
+            loaded, copies = self._launch(plan, self.transfers, self._sync_buffers)
             # The forward that reads these blocks runs after the copies, on the GPU; nothing waits here.
             self.load_stream.before_engine(copies)
             if not loaded:
                 self._load_errors.update(self._planned_blocks(plan))
 
-    def _launch(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> tuple[bool, Completion]:
+    def _read_buffers(self) -> ReadBuffers:
+        """Where one loading thread reads entries: pinned on a GPU, each refilled once copied from."""
+        device = self.transfers[0].device if self.transfers else torch.device("cpu")
+        return ReadBuffers(self._reader().buffer_size(), pin=device.type == "cuda")
+
+    def _launch(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> tuple[bool, Completion]:
         """Restore ``plan`` on the load stream: whether every entry was there, and the end of its copies
         (also of a failed load's, which may have written some blocks before it failed)."""
         with self.load_stream.launching():
             try:
-                restored = self._restore(plan, transfers, buffer)
+                restored = self._restore(plan, transfers, buffers)
             except Exception:  # a load must never take the engine down: vLLM recomputes what failed
                 logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
                 restored = False
             return restored, self.load_stream.record()
 
-    def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
+    def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
         """Read every entry the plan needs, once, and copy it into the request's blocks; whether all were there.
 
         Counted as one load of the tokens it restored beyond vLLM's own prefix-cache hit (none when it failed).
         """
         begin = time.perf_counter()
-        restored = self._restore_entries(plan, transfers, buffer)
+        restored = self._restore_entries(plan, transfers, buffers)
         self._bound_store().stats.loaded(plan.num_tokens - plan.local_tokens if restored else 0,
                                          time.perf_counter() - begin)
         return restored
 
-    def _restore_entries(self, plan: LoadPlan, transfers: list[KVTransfer], buffer: bytearray) -> bool:
+    def _restore_entries(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
         store = self._bound_store()
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         shared_keys = (self.shared_store.keys(plan.tokens, request_salt=plan.request_salt)
@@ -201,25 +206,31 @@ class WorkerSide:
                         continue  # in vLLM's own prefix cache already
                     shared = self.shared_reader is not None and member in self.deployment.shared_groups
                     reader = self.shared_reader if shared and self.shared_reader is not None else self._reader()
+                    index, buffer = buffers.take()
                     entry = reader.read((shared_keys if shared else keys)[chunk], member, chunk, buffer)
                     if entry is None:
                         logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes "
                                        "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
                         return False
-                    if not engine_group.token_indexed:
-                        transfers[member].unpack([entry], state_indices=[self._state_block(block_ids)],
-                                                 synchronize=False)
-                        continue
-                    positions = np.arange(max(first, plan.local_tokens), first + self.chunk_size)
-                    slots = paged_slots(positions, block_ids, engine_group.block_size)
-                    # Tokens whose block is the null block have slid out of the window: nothing to write.
-                    kept = slots >= 0
-                    if kept.all() and positions.size == self.chunk_size:
-                        transfers[member].unpack([entry], torch.from_numpy(slots), synchronize=False)
-                    elif kept.any():
-                        rows = entry.index_select(2, torch.from_numpy(positions[kept] - first))
-                        transfers[member].unpack([rows], torch.from_numpy(slots[kept]), synchronize=False)
+                    self._write_entry(transfers[member], engine_group, entry, first, plan.local_tokens, block_ids)
+                    buffers.copied(index, self.load_stream.record())  # the buffer is refilled after this
         return True
+
+    def _write_entry(self, transfer: KVTransfer, engine_group: EngineGroup, entry: torch.Tensor, first: int,
+                     local_tokens: int, block_ids: np.ndarray) -> None:
+        """Copy one entry (the chunk from token ``first``) into the request's blocks, on the current stream."""
+        if not engine_group.token_indexed:
+            transfer.unpack([entry], state_indices=[state_block(block_ids)], synchronize=False)
+            return
+        positions = np.arange(max(first, local_tokens), first + self.chunk_size)
+        slots = paged_slots(positions, block_ids, engine_group.block_size)
+        # Tokens whose block is the null block have slid out of the window: nothing to write.
+        kept = slots >= 0
+        if kept.all() and positions.size == self.chunk_size:
+            transfer.unpack([entry], torch.from_numpy(slots), synchronize=False)
+        elif kept.any():
+            rows = entry.index_select(2, torch.from_numpy(positions[kept] - first))
+            transfer.unpack([rows], torch.from_numpy(slots[kept]), synchronize=False)
 
     def _reader(self) -> EntryReader:
         if self.reader is None:
@@ -270,24 +281,9 @@ class WorkerSide:
     def _save(self, plan: SavePlan) -> None:
         store = self._bound_store()
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
-        block_ids_of = {engine_group.index: np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
-                        for engine_group in self.engine_groups}
         owned = set(self.deployment.owned_groups(self.rank))  # rank 0 alone saves what every rank holds alike
         for chunk in plan.chunks:
-            positions = np.arange(chunk * self.chunk_size, (chunk + 1) * self.chunk_size)
-            packs: dict[int, dict[str, Any]] = {}  # group -> how to pack it
-            for engine_group in self.engine_groups:
-                block_ids = block_ids_of[engine_group.index]
-                if engine_group.token_indexed:
-                    slots = paged_slots(positions, block_ids, engine_group.block_size)
-                    if (slots < 0).any():
-                        continue  # part of the chunk has left this group's blocks (a window moved on)
-                    packs.update({member: {"slot_mapping": torch.from_numpy(slots)} for member in engine_group.members
-                                  if member in owned})
-                elif plan.step_end == (chunk + 1) * self.chunk_size and engine_group.state_mode == "none":
-                    state = self._state_block(block_ids)
-                    packs.update({member: {"state_indices": [state]} for member in engine_group.members
-                                  if member in owned})
+            packs = plan.packs(chunk, self.engine_groups, owned, self.chunk_size)
             if not packs:
                 continue
             # Queued saves hold host memory from a bounded pool, never the engine's device memory.
@@ -321,12 +317,6 @@ class WorkerSide:
         if self.store is None:
             raise KVGroupsError("register_kv_caches was not called before the first load or save")
         return self.store
-
-    @staticmethod
-    def _state_block(block_ids: np.ndarray) -> int:
-        if block_ids.size != 1 or block_ids[0] == 0:
-            raise KVGroupsError(f"a recurrent group's blocks are {block_ids.tolist()}; expected its one state block")
-        return int(block_ids[0])
 
     def flush(self) -> None:
         """Wait until every queued save is written."""
