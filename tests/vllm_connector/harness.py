@@ -25,6 +25,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.platforms import current_platform
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -43,11 +44,16 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvgroups.core.layouts import KVLayout
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.engine_groups import engine_layout
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from kvgroups.integrations.vllm.stats import KVGroupsConnectorStats
 from kvgroups.integrations.vllm.worker_side import WorkerSide
 
 HEADS, HEAD_SIZE, DTYPE = 2, 32, torch.float32
+# The layout the scheduler side's Deployment picks from vLLM's platform (vLLM builds that side itself):
+# the CPU build's pages here; the GPU backends' under vLLM's CUDA wheel, whose platform on a CPU machine
+# is "unspecified". Fake workers use the same one, unless a test sets both.
+ENGINE_LAYOUT = engine_layout(current_platform.is_cpu())
 # Keys and values of their own head sizes (vLLM's diff-KV pages, MiMo-V2's 192 / 128), as large as a K/V page.
 DIFF_KEYS, DIFF_VALUES = 40, 24
 MLA_HEAD_SIZE = HEADS * 2 * HEAD_SIZE  # one latent row per token, as large as a token's K and V rows
@@ -233,7 +239,7 @@ class SchedulerHarness:
 class FakeWorker:
     """A worker's caches laid out as vLLM allocates them, bound to a WorkerSide."""
 
-    def __init__(self, config: VllmConfig, kv_cache_config: KVCacheConfig, layout: KVLayout = KVLayout.VLLM_CPU,
+    def __init__(self, config: VllmConfig, kv_cache_config: KVCacheConfig, layout: KVLayout = ENGINE_LAYOUT,
                  seed: int = 0, rank: int = 0) -> None:
         self.deployment = Deployment(config, kv_cache_config, layout=layout)
         self.kv_cache_config = kv_cache_config

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import vllm
 
 from kvgroups import KVLayerGroupsManager
 from kvgroups.core.layouts import KVLayout
@@ -28,6 +29,7 @@ from tests.vllm_connector.harness import (
     DIFF_KEYS,
     DIFF_VALUES,
     DTYPE,
+    ENGINE_LAYOUT,
     STATE_SHAPES,
     FakeWorker,
     SchedulerHarness,
@@ -45,7 +47,7 @@ def file_store(tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 
 def fill(model_dir: Path, extra: dict[str, Any], kinds: list[str], tokens: list[int], *,
-         layout: KVLayout = KVLayout.VLLM_CPU, max_batched: int = 256, **cache: Any) -> tuple[FakeWorker, list[Step]]:
+         layout: KVLayout = ENGINE_LAYOUT, max_batched: int = 256, **cache: Any) -> tuple[FakeWorker, list[Step]]:
     kv = cache_config(kinds, **cache)
     config = vllm_config(model_dir, extra, max_batched=max_batched)
     worker = FakeWorker(config, kv, layout=layout, seed=0)
@@ -54,7 +56,7 @@ def fill(model_dir: Path, extra: dict[str, Any], kinds: list[str], tokens: list[
     return worker, harness.run(worker)
 
 
-def fresh(model_dir: Path, extra: dict[str, Any], kinds: list[str], *, layout: KVLayout = KVLayout.VLLM_CPU,
+def fresh(model_dir: Path, extra: dict[str, Any], kinds: list[str], *, layout: KVLayout = ENGINE_LAYOUT,
           **cache: Any) -> tuple[SchedulerHarness, FakeWorker]:
     kv = cache_config(kinds, **cache)
     config = vllm_config(model_dir, extra)
@@ -367,8 +369,9 @@ def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path,
     extra = file_store(tmp_path)
     original = model_identity(vllm_config(gemma3_dir, extra))
     assert model_identity(vllm_config(copy, extra)) == original
-    assert original.startswith(f"{gemma3_dir.name}|weights-") and original.endswith("|vllm-0.32|torch.float32|"
-                                                                                    "quantization-none")
+    version = ".".join(vllm.__version__.split(".")[:2])  # 0.32 (the CPU build) or 0.33
+    assert original.startswith(f"{gemma3_dir.name}|weights-") and original.endswith(
+        f"|vllm-{version}|torch.float32|quantization-none")
     # A fine-tune written over the copy: same names and sizes, other bytes.
     (weights,) = copy.glob("*.safetensors")
     data = bytearray(weights.read_bytes())
@@ -499,6 +502,20 @@ def written_by_vllm(isa: str, head_size: int) -> tuple[torch.Tensor, torch.Tenso
     return key, value, slot_mapping, cache
 
 
+def has_cpu_attention_ops() -> bool:
+    """Whether this vLLM build has the CPU backend's cache-writing op (its CPU build; not the CUDA wheel)."""
+    try:
+        from vllm import _custom_ops as ops
+
+        return hasattr(torch.ops._C, "cpu_attn_reshape_and_cache") and hasattr(ops, "cpu_attn_reshape_and_cache")
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+CPU_OPS = pytest.mark.skipif(not has_cpu_attention_ops(), reason="needs vLLM's CPU build (its CPU attention ops)")
+
+
+@CPU_OPS
 @pytest.mark.parametrize("head_size", [128, 80])
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
 def test_the_pages_vllms_accepted_cpu_kernels_write_are_read_back_as_written(isa: str, head_size: int) -> None:

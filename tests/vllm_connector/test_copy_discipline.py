@@ -12,12 +12,18 @@ from typing import Any
 
 import pytest
 
-from kvgroups.core.layouts import KVLayout
 from kvgroups.datapath.staging import Staging
 from kvgroups.datapath.streams import DONE, CopyStream
 from kvgroups.integrations.vllm import KVGroupsConnector
 from kvgroups.integrations.vllm.loads import BackgroundLoads
-from tests.vllm_connector.harness import FakeWorker, SchedulerHarness, cache_config, prompt, vllm_config
+from tests.vllm_connector.harness import (
+    ENGINE_LAYOUT,
+    FakeWorker,
+    SchedulerHarness,
+    cache_config,
+    prompt,
+    vllm_config,
+)
 
 CHUNK = 32
 
@@ -85,8 +91,8 @@ def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
     extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
     kv = cache_config(["sliding", "full"])
     config = vllm_config(gemma3_dir, extra)
-    first = FakeWorker(config, kv, layout=KVLayout.VLLM_CPU, seed=0)
-    second = FakeWorker(config, kv, layout=KVLayout.VLLM_CPU, seed=1)
+    first = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=0)
+    second = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=1)
     for worker in (first, second):
         worker.side.load_stream._name, worker.side.save_stream._name = "load", "save"  # type: ignore[attr-defined]
     # Registered (its warm-up may wait): from here on, what pack(out=) and unpack called to wait must not run.
@@ -121,8 +127,8 @@ def test_sleep_drops_every_binding_and_wake_up_binds_again(gemma3_dir: Path, tmp
     config = vllm_config(gemma3_dir, extra)
     filler = SchedulerHarness(config, kv)
     filler.add("fill", prompt(100))
-    filler.run(FakeWorker(config, kv, layout=KVLayout.VLLM_CPU, seed=0))
-    worker = FakeWorker(config, kv, layout=KVLayout.VLLM_CPU, seed=1)
+    filler.run(FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=0))
+    worker = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=1)
     worker.side.unregister()
     worker.side.unregister()  # idempotent, as vLLM asks
     assert worker.side.transfers == [] and worker.side.load_transfers == []
