@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,17 @@ def every_config() -> dict[str, dict[str, Any]]:
     configs.update({f"fixture:{name}": fixture(name) for name in fixture_names() if name not in REFUSED_FIXTURES})
     configs["fixture:falcon-h1-0.5b+mamba_d_ssm"] = falcon_h1_small()
     return configs
+
+
+class Pending:
+    """A completion (a CUDA event, as far as the code waiting on it can tell) that is done only once the
+    test sets ``done``: copies still queued on a stream."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.done.wait(10)

@@ -14,6 +14,7 @@ from kvgroups import KVLayerGroupsManager, KVLayout, RecurrentState
 from kvgroups.datapath.buffers import ReadBuffers
 from kvgroups.datapath.streams import DONE, CopyStream
 from kvgroups.transfer import KVTransfer
+from tests.helpers import Pending
 
 KERNELS = [
     pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} missing"))
@@ -88,16 +89,6 @@ def test_on_the_cpu_a_copy_is_done_when_its_call_returns() -> None:
 
 
 def test_a_read_buffer_is_refilled_only_once_the_copy_out_of_it_completed() -> None:
-    class Pending:
-        def __init__(self) -> None:
-            self.done = threading.Event()
-
-        def query(self) -> bool:
-            return self.done.is_set()
-
-        def synchronize(self) -> None:
-            assert self.done.wait(10)
-
     buffers = ReadBuffers(64, pin=False)
     first, array = buffers.take()
     assert array.dtype == np.uint8 and array.shape == (64,) and array.flags.writeable

@@ -16,6 +16,7 @@ from kvgroups.datapath.staging import Staging
 from kvgroups.datapath.streams import DONE, CopyStream
 from kvgroups.integrations.vllm import KVGroupsConnector
 from kvgroups.integrations.vllm.loads import BackgroundLoads
+from tests.helpers import Pending
 from tests.vllm_connector.harness import (
     ENGINE_LAYOUT,
     FakeWorker,
@@ -26,19 +27,6 @@ from tests.vllm_connector.harness import (
 )
 
 CHUNK = 32
-
-
-class Pending:
-    """A completion that reports done only once the test says so (a CUDA event still queued)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def query(self) -> bool:
-        return self.done.is_set()
-
-    def synchronize(self) -> None:
-        self.done.wait(10)
 
 
 def test_a_load_is_reported_only_once_its_copies_completed() -> None:
