@@ -197,8 +197,7 @@ def sync_rows(device: torch.device) -> list[Row]:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            with stream.launching():
-                stream.after_engine()
+            with stream.launching(after_engine=True):
                 transfer.pack(slots, out=[pinned], staging=staging, synchronize=False)
                 done = stream.record()
         finally:

@@ -81,8 +81,7 @@ def test_triton_launches_more_tokens_than_a_grid_holds_in_pieces(monkeypatch: py
 def test_on_the_cpu_a_copy_is_done_when_its_call_returns() -> None:
     stream = CopyStream(torch.device("cpu"))
     assert stream.stream is None
-    with stream.launching():
-        stream.after_engine()
+    with stream.launching(after_engine=True):
         done = stream.record()
     assert done is DONE and done.query()
     stream.before_engine(done)  # nothing to order on the CPU

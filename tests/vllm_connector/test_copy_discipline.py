@@ -52,12 +52,10 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
     """Every (stream, thread, what) launch the worker makes, recorded on CopyStream's own methods."""
     recorded: list[tuple[str, str, str]] = []
     @contextlib.contextmanager
-    def launching(self: CopyStream) -> Iterator[None]:
-        recorded.append((self.name, threading.current_thread().name, "launch"))
+    def launching(self: CopyStream, *, after_engine: bool = False) -> Iterator[None]:
+        what = "launch after the engine's work" if after_engine else "launch"
+        recorded.append((self.name, threading.current_thread().name, what))
         yield
-
-    def after_engine(self: CopyStream) -> None:
-        recorded.append((self.name, threading.current_thread().name, "after_engine"))
 
     def record(self: CopyStream) -> Any:
         recorded.append((self.name, threading.current_thread().name, "record"))
@@ -65,7 +63,6 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
 
     monkeypatch.setattr(CopyStream, "name", property(lambda self: getattr(self, "_name", "?")), raising=False)
     monkeypatch.setattr(CopyStream, "launching", launching)
-    monkeypatch.setattr(CopyStream, "after_engine", after_engine)
     monkeypatch.setattr(CopyStream, "record", record)
     return recorded
 
@@ -92,8 +89,7 @@ def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
     engine = threading.current_thread().name
     saves = [launch for launch in launches if launch[0] == "save"]
     # Each chunk: on the save stream, ordered after the engine's work, then an event for the writer.
-    assert saves and saves[:3] == [("save", engine, "launch"), ("save", engine, "after_engine"),
-                                   ("save", engine, "record")]
+    assert saves and saves[:2] == [("save", engine, "launch after the engine's work"), ("save", engine, "record")]
     launches.clear()
     fresh = SchedulerHarness(config, kv)
     fresh.add("reuse", prompt(100))

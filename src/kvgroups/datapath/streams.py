@@ -4,11 +4,11 @@ and an event per transfer, as vLLM's own offloading worker (``v1/kv_offload/cpu/
 A :class:`CopyStream` is one direction (loads, or saves) of one worker. Work launched inside
 :meth:`CopyStream.launching` runs on that stream with the caches' device current in the calling
 thread (a fresh thread's current device is 0: on any other tensor-parallel rank its launches would
-address another GPU's memory). :meth:`CopyStream.after_engine` orders what follows after everything
-the engine thread has queued (the forward whose results a save packs) without making any thread
-wait, and :meth:`CopyStream.record` marks the end of a transfer with an event: a transfer is done
-when its :class:`Completion` says so, never when the call that launched it returns. On the CPU
-every copy is finished when its call returns: there is no stream and every completion is done.
+address another GPU's memory); ``after_engine=True`` orders it after everything the engine thread
+has queued (the forward whose results a save packs) without making any thread wait.
+:meth:`CopyStream.record` marks the end of a transfer with an event: a transfer is done when its
+:class:`Completion` says so, never when the call that launched it returns. On the CPU every copy is
+finished when its call returns: there is no stream and every completion is done.
 """
 
 from __future__ import annotations
@@ -49,18 +49,18 @@ class CopyStream:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     @contextlib.contextmanager
-    def launching(self) -> Iterator[None]:
-        """Launch the enclosed work on this stream, with the caches' device current in this thread."""
+    def launching(self, *, after_engine: bool = False) -> Iterator[None]:
+        """Launch the enclosed work on this stream, with the caches' device current in this thread;
+        ``after_engine``: ordered after everything the calling thread's stream (the engine's) has queued
+        so far, which no thread waits for."""
         if self.stream is None:
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            yield
-
-    def after_engine(self) -> None:
-        """Order this stream's next work after everything queued so far on the engine thread's stream."""
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device):
+            if after_engine:  # the caller's stream, read before this stream becomes the current one
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                yield
 
     def before_engine(self, completion: Completion) -> None:
         """Order the engine thread's next work (a forward reading what a load wrote) after ``completion``."""

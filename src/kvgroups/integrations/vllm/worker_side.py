@@ -294,10 +294,8 @@ class WorkerSide:
                 store.stats.dropped("no_buffer")
                 continue
             tensors = {}
-            with self.save_stream.launching():
-                # After the forward that computed these tokens, on the save stream: the engine thread
-                # does not wait for it.
-                self.save_stream.after_engine()
+            # After the forward that computed these tokens, on the save stream: the engine thread does not wait.
+            with self.save_stream.launching(after_engine=True):
                 for (member, how), buffer in zip(packs.items(), buffers, strict=True):
                     staging = None if self.staging is None else [self.staging[member]]
                     tensors[member] = self.transfers[member].pack(out=[buffer], staging=staging, synchronize=False,
