@@ -143,7 +143,7 @@ def speed_rows(device: torch.device, rounds: int = 21) -> list[Row]:
     source = torch.empty(group.chunk_bytes(chunk), dtype=torch.uint8, device=device)
     host = pinned.view(-1).view(torch.uint8)
     order = torch.randperm(blocks - chunk // block)[:1]
-    slots = (torch.arange(chunk) + int(order[0]) * block).to(device)
+    slots = torch.arange(chunk) + int(order[0]) * block  # on the host, as the connector passes them
     gigabytes = group.chunk_bytes(chunk) / 1e9
     pack_ratio, pack_seconds = _median_ratio(lambda: host.copy_(source, non_blocking=True),
                                              lambda: transfer.pack(slots, out=[pinned], staging=staging,
