@@ -117,12 +117,9 @@ class KVLayout(enum.Enum):
         Strides are free except where a layout fixes how a page is laid out: a ``VLLM_CPU``
         page of one (block, head) is ``2 * block_size * head_size`` contiguous elements.
         """
-        if _KVHS in self.axes:
-            if value_head_size is None and tensor.shape[-1] % 2:
-                return f"its last axis (2 * head_size) is {tensor.shape[-1]}, not even"
-            if value_head_size is not None and not 0 < value_head_size < tensor.shape[-1]:
-                return (f"its last axis (head_size + value_head_size) is {tensor.shape[-1]}, which cannot hold "
-                        f"values of {value_head_size}")
+        # With a value head size of its own the page's split is :func:`geometry`'s to check.
+        if _KVHS in self.axes and value_head_size is None and tensor.shape[-1] % 2:
+            return f"its last axis (2 * head_size) is {tensor.shape[-1]}, not even"
         if self is KVLayout.VLLM_CPU:
             block_size, width = tensor.shape[2], tensor.shape[3]
             if (width > 1 and tensor.stride(3) != 1) or (block_size > 1 and tensor.stride(2) != width):

@@ -91,6 +91,15 @@ def _copy_rows(rows: torch.Tensor, chunk_rows: torch.Tensor, indices: torch.Tens
         torch.index_select(rows, 0, indices, out=chunk_rows)
 
 
+def _copy_token_major(token_major: torch.Tensor, plan: TokenPlan, rows: torch.Tensor, scatter: bool) -> None:
+    """``rows`` (the plan's tokens, maybe strided) and a token-major view of one plane of a cache."""
+    tokens = rows.view(plan.num_tokens, *token_major.shape[2:])
+    if scatter:
+        token_major.index_put_((plan.blocks, plan.offsets), tokens)
+    else:
+        tokens.copy_(token_major[plan.blocks, plan.offsets])
+
+
 @dataclass(frozen=True)
 class _PooledPlane:
     """One K/V plane of every layer as rows of a single view (layers evenly spaced in one buffer)."""
@@ -113,13 +122,16 @@ class TokenCopier:
                  value_head_size: int | None = None) -> None:
         self.layout = layout
         self.block_size = block_size
-        self.value_head_size = value_head_size
         self.planes = [kv_planes(layout, tensors) for tensors in layers]
         self.num_layers = len(self.planes)
         self.num_planes = len(self.planes[0])
         first = self.planes[0][0][0]
         self.item = first.element_size()
         self.shared = row_map(layout, first) if value_head_size is None else None
+        # Keys and values of their own head sizes: each layer's K and V planes as token-major views.
+        self.split_views = [] if value_head_size is None else [
+            [to_token_major(layout, tensor, plane, value_head_size) for tensor, plane in layer]
+            for layer in self.planes]
         self.pooled = self._pooled_planes() if self.shared is not None and self.num_layers > 1 else None
         # Per (plane, layer): (block-row view or None, token-row view) over the layer's own storage,
         # or None where the layer's strides differ from the first (copied through a token-major view).
@@ -191,14 +203,14 @@ class TokenCopier:
             return
         if self.pooled is not None and self._copy_pooled(chunk, plan, scatter):
             return
+        if self.split_views:
+            self._copy_split_rows(chunk, plan, scatter)
+            return
         shared = self.shared
         split = plan.num_block_tokens if shared is not None and shared.blocks_contiguous else 0
         row_type = self.scatter_type if scatter else chunk.dtype
         if scatter and chunk.storage_offset():
             row_type = widest_word(row_type.itemsize, int(chunk.storage_offset()) * self.item)
-        if self.value_head_size is not None:
-            self._copy_split_rows(chunk, plan, scatter)
-            return
         rows_per_plane = chunk.view(self.num_planes * self.num_layers, plan.num_tokens, -1)
         typed_rows = rows_per_plane.view(row_type)
         block_targets: Sequence[torch.Tensor] = ()
@@ -211,7 +223,7 @@ class TokenCopier:
         for target, views in enumerate(self.views):
             if views is None:
                 tensor, plane = self.planes[target % self.num_layers][target // self.num_layers]
-                self._copy_generic(tensor, plane, plan, rows_per_plane[target], scatter)
+                _copy_token_major(to_token_major(self.layout, tensor, plane), plan, rows_per_plane[target], scatter)
                 continue
             block_view, token_view = views
             if split and block_view is not None:
@@ -221,22 +233,12 @@ class TokenCopier:
 
     def _copy_split_rows(self, chunk: torch.Tensor, plan: TokenPlan, scatter: bool) -> None:
         """Keys and values of different head sizes: chunk ``[1, num_layers, tokens, keys + values]``."""
-        for layer, layer_planes in enumerate(self.planes):
+        for layer, views in enumerate(self.split_views):
             column = 0
-            for tensor, plane in layer_planes:
-                token_major = to_token_major(self.layout, tensor, plane, self.value_head_size)
+            for token_major in views:
                 width = token_major.shape[2] * token_major.shape[3]
-                self._copy_generic(tensor, plane, plan, chunk[0, layer, :, column:column + width], scatter)
+                _copy_token_major(token_major, plan, chunk[0, layer, :, column:column + width], scatter)
                 column += width
-
-    def _copy_generic(self, tensor: torch.Tensor, plane: int, plan: TokenPlan, rows: torch.Tensor,
-                      scatter: bool) -> None:
-        token_major = to_token_major(self.layout, tensor, plane, self.value_head_size)
-        tokens = rows.view(plan.num_tokens, *token_major.shape[2:])
-        if scatter:
-            token_major.index_put_((plan.blocks, plan.offsets), tokens)
-        else:
-            tokens.copy_(token_major[plan.blocks, plan.offsets])
 
     def _copy_pooled(self, chunk: torch.Tensor, plan: TokenPlan, scatter: bool) -> bool:
         """One copy per K/V plane for all layers; False (nothing copied) when the views do not serve."""

@@ -46,7 +46,7 @@ from kvgroups.core.cache_specs import (
     SlidingWindow,
 )
 from kvgroups.core.groups import KVLayerGroupInfo
-from kvgroups.core.layouts import KVLayout
+from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
 
@@ -83,8 +83,9 @@ class LayerPlan:
                          for shape in self.spec.state_shapes)
         if self.layout is KVLayout.MLA:
             return torch.empty(num_blocks, block_size, self.head_size, dtype=self.dtype, device="meta")
-        return torch.empty(num_blocks, self.num_heads, block_size, self.head_size + (self.value_head_size or
-                           self.head_size), dtype=self.dtype, device="meta")
+        sizes = CacheGeometry(kv_size=2, num_blocks=num_blocks, block_size=block_size, num_heads=self.num_heads,
+                              head_size=self.head_size, value_head_size=self.value_head_size)
+        return torch.empty(shape_for(self.layout, sizes), dtype=self.dtype, device="meta")
 
     def value(self, tensor: Any) -> Any:
         """The tensor vLLM registered for this layer as the value kvgroups moves (views, never copies)."""

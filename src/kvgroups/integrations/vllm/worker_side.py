@@ -66,7 +66,8 @@ class WorkerSide:
         self.loads: BackgroundLoads | None = None
         self.reader: EntryReader | None = None
         self.stats: StatsReporter | None = None  # the store's counts since the last step, for vLLM
-        self.load_stream = self.save_stream = CopyStream(torch.device("cpu"))
+        self.device = torch.device("cpu")  # the caches', once registered
+        self.load_stream = self.save_stream = CopyStream(self.device)
         self.staging: list[torch.Tensor] | None = None  # per group, where a save gathers on a GPU
         self.host_buffers: HostBufferPool | None = None
         self._registered: dict[str, torch.Tensor] = {}
@@ -127,7 +128,7 @@ class WorkerSide:
         self.transfers = [KVTransfer([group], values) for group in groups]
         # Background loads copy on one thread each: the model's forward has the cores meanwhile.
         self.load_transfers = [KVTransfer([group], values, num_threads=1) for group in groups]
-        device = self.transfers[0].device if self.transfers else torch.device("cpu")
+        self.device = device = self.transfers[0].device if self.transfers else torch.device("cpu")
         if self.host_buffers is None:
             self.host_buffers = HostBufferPool(self.deployment.settings.max_pending_bytes, pin=device.type != "cpu")
         self.load_stream, self.save_stream = CopyStream(device), CopyStream(device)
@@ -166,8 +167,7 @@ class WorkerSide:
 
     def _read_buffers(self) -> ReadBuffers:
         """Where one loading thread reads entries: pinned on a GPU, each refilled once copied from."""
-        device = self.transfers[0].device if self.transfers else torch.device("cpu")
-        return ReadBuffers(self._reader().buffer_size(), pin=device.type == "cuda")
+        return ReadBuffers(self._reader().buffer_size(), pin=self.device.type == "cuda")
 
     def _launch(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> tuple[bool, Completion]:
         """Restore ``plan`` on the load stream: whether every entry was there, and the end of its copies
