@@ -142,3 +142,50 @@ def test_cpu_page_planes_are_views_of_the_page_bytes() -> None:
     assert torch.equal(values[1, 5, 3], page[BS * HS + 5 * HS: BS * HS + 6 * HS])
     keys[1, 5, 3, 0] = -1.0
     assert cache[1, 3].flatten()[5] == -1.0
+
+
+def test_amx_pages_are_bfloat16_in_groups_of_16_tokens_and_16_head_elements() -> None:
+    """vLLM's amx kernels pack each page as AMX tiles: the page must be contiguous, 2-byte elements,
+    block and head sizes multiples of 16; each offender is named."""
+    def build(*shape: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        page = torch.empty(*shape, dtype=dtype, device="meta")
+        KVLayerGroupsManager().build_kv_layer_groups({"l0": page}, layout=KVLayout.VLLM_CPU_AMX)
+
+    build(NB, NH, 32, 2 * 64)
+    build(NB, NH, 16, 2 * 16, dtype=torch.float16)
+    with pytest.raises(KVGroupsError, match=r"layer 0 'l0'.*2 bytes \(bfloat16\), not torch.float32"):
+        build(NB, NH, 32, 2 * 64, dtype=torch.float32)
+    with pytest.raises(KVGroupsError, match=r"multiples of 16; got block size 8, head size 64"):
+        build(NB, NH, 8, 2 * 64)
+    with pytest.raises(KVGroupsError, match=r"multiples of 16; got block size 32, head size 40"):
+        build(NB, NH, 32, 2 * 40)
+    nhd = torch.empty(NB, 32, NH, 2 * 64, dtype=torch.bfloat16, device="meta").permute(0, 2, 1, 3)
+    with pytest.raises(KVGroupsError, match=r"page of 32 x 128 elements contiguous"):
+        KVLayerGroupsManager().build_kv_layer_groups({"l0": nhd}, layout=KVLayout.VLLM_CPU_AMX)
+    with pytest.raises(KVGroupsError, match=r"no token-major view"):
+        to_token_major(KVLayout.VLLM_CPU_AMX, torch.empty(NB, NH, 32, 2 * 64, dtype=torch.bfloat16), 0)
+
+
+def test_amx_page_planes_place_each_element_where_vllms_amx_kernels_write_it() -> None:
+    """Element d of token t: keys at (t // 16) * 16 * H + (d // 2) * 32 + (t % 16) * 2 + d % 2 of the
+    page, values at N * H + (d // 16) * 16 * N + (t // 2) * 32 + (d % 16) * 2 + t % 2 (vLLM's
+    csrc/cpu/cpu_attn_amx.hpp, reshape_and_cache), and writes land in the page."""
+    from kvgroups.core.cpu_pages import amx_page_plane
+
+    num_blocks, num_heads, block_size, head_size = 2, 3, 32, 48
+    cache = torch.arange(num_blocks * num_heads * block_size * 2 * head_size, dtype=torch.float32)
+    cache = cache.view(num_blocks, num_heads, block_size, 2 * head_size)
+    keys, values = (amx_page_plane(cache, plane) for plane in (0, 1))
+    assert (keys.tokens_per_group, values.tokens_per_group) == (16, 2)
+    page = cache[1, 2].flatten()
+    for t in (0, 1, 15, 16, 17, 31):
+        d = torch.arange(head_size)
+        key_places = (t // 16) * 16 * head_size + (d // 2) * 32 + (t % 16) * 2 + d % 2
+        value_places = block_size * head_size + (d // 16) * 16 * block_size + (t // 2) * 32 + (d % 16) * 2 + t % 2
+        key = keys.view[1, t // 16, t % 16, 2].flatten()
+        value = values.view[1, t // 2, t % 2, 2].flatten()
+        assert torch.equal(key, page[key_places]) and torch.equal(value, page[value_places])
+    every = torch.cat([keys.view.flatten(), values.view.flatten()]).sort().values
+    assert torch.equal(every, cache.flatten())  # the two planes cover every element of the pages once
+    values.view[1, 3, 1, 2, 2, 5] = -1.0  # token 7, element 37 of head 2 in block 1
+    assert page[block_size * head_size + 2 * 16 * block_size + 3 * 32 + 5 * 2 + 1] == -1.0

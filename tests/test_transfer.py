@@ -53,6 +53,34 @@ def cpu_page_read(cache: torch.Tensor, kv: int, b: int, o: int) -> torch.Tensor:
     return pages[:, 1].view(num_heads, block_size, head_size)[:, o]
 
 
+def amx_page_read(cache: torch.Tensor, kv: int, b: int, o: int) -> Any:
+    """vLLM's amx reshape_and_cache, element by element: keys in groups of 16 tokens of 32-bit pairs,
+    values in groups of 16 head elements with tokens in pairs (csrc/cpu/cpu_attn_amx.hpp)."""
+    num_heads, block_size, width = cache.shape[1:]
+    head_size = width // 2
+    d = torch.arange(head_size)
+    if kv == 0:
+        places = (o // 16) * 16 * head_size + (d // 2) * 32 + (o % 16) * 2 + d % 2
+    else:
+        places = block_size * head_size + (d // 16) * 16 * block_size + (o // 2) * 32 + (d % 16) * 2 + o % 2
+    pages = cache[b].view(num_heads, 2 * block_size * head_size)  # a view: each page is contiguous
+    return _Places(pages, places)
+
+
+class _Places:
+    """A token's elements at scattered places of its pages: read as a tensor, written through copy_."""
+
+    def __init__(self, pages: torch.Tensor, places: torch.Tensor) -> None:
+        self.pages, self.places = pages, places
+        self.shape = torch.Size([pages.shape[0], places.shape[0]])
+
+    def reshape(self, *shape: int) -> torch.Tensor:
+        return self.pages[:, self.places].reshape(*shape)
+
+    def copy_(self, source: torch.Tensor) -> None:
+        self.pages[:, self.places] = source.view(self.shape)
+
+
 # token (block b, offset o) of plane kv -> its [num_heads, head_size] (MLA: [head_size]) elements,
 # spelled out per layout, independently of kvgroups' axis tables.
 READ: dict[KVLayout, Callable[[Any, int, int, int], torch.Tensor]] = {
@@ -67,8 +95,15 @@ READ: dict[KVLayout, Callable[[Any, int, int, int], torch.Tensor]] = {
     KVLayout.VLLM: lambda cache, kv, b, o: cache[b, :, o].unflatten(-1, (2, -1))[:, kv],
     # vLLM CPU: page (block, head) is K as [head_size, block_size], then V as [block_size, head_size].
     KVLayout.VLLM_CPU: cpu_page_read,
+    KVLayout.VLLM_CPU_AMX: amx_page_read,
 }
 
+
+
+def served_by(kernel: str, layout: KVLayout) -> str:
+    """The kernel a group of ``layout`` gets when ``kernel`` is forced: amx pages (CPU only, no token
+    rows) have a numba kernel of their own and the torch path elsewhere."""
+    return "torch" if layout is KVLayout.VLLM_CPU_AMX and kernel == "triton" else kernel
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -93,7 +128,7 @@ def make_cache(layout: KVLayout, nb: int, bs: int, nh: int, hs: int, dtype: torc
     if layout is KVLayout.VLLM:
         # permuted: vLLM's NHD (LBNHC) order, tokens outside heads in memory.
         return tensor((nb, bs, nh, 2 * hs)).permute(0, 2, 1, 3) if permuted else tensor((nb, nh, bs, 2 * hs))
-    if layout is KVLayout.VLLM_CPU:
+    if layout.is_cpu_page:
         # permuted: heads outside blocks in memory; each page stays contiguous, as the backend needs.
         return tensor((nh, nb, bs, 2 * hs)).permute(1, 0, 2, 3) if permuted else tensor((nb, nh, bs, 2 * hs))
     if layout is KVLayout.FLASH_ATTN_HND:
@@ -156,13 +191,14 @@ class Case:
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     layout = draw(st.sampled_from([layout for layout in KVLayout if layout is not KVLayout.RECURRENT]))
+    amx = layout is KVLayout.VLLM_CPU_AMX  # bfloat16 pages in groups of 16 tokens and 16 head elements
     return Case(
         layout=layout,
-        dtype=draw(st.sampled_from(DTYPES)),
+        dtype=draw(st.sampled_from((torch.bfloat16, torch.float16) if amx else DTYPES)),
         nb=draw(st.integers(2, 6)),
-        bs=draw(st.sampled_from([1, 2, 4, 16])),
+        bs=draw(st.sampled_from([16, 32] if amx else [1, 2, 4, 16])),
         nh=1 if layout is KVLayout.MLA else draw(st.sampled_from([1, 2, 3])),
-        hs=draw(st.sampled_from([1, 4, 8])),
+        hs=draw(st.sampled_from([16, 32] if amx else [1, 4, 8])),
         num_layers=draw(st.integers(1, 3)),
         storage=draw(st.sampled_from(["contiguous", "permuted", "pool"])),
         slot_mode=draw(st.sampled_from(["block-aligned", "shuffled-blocks", "arbitrary", "range"])),
@@ -173,7 +209,7 @@ def cases(draw: st.DrawFn) -> Case:
 def build(case: Case) -> tuple[dict[str, Any], KVLayerGroupsManager]:
     generator = torch.Generator().manual_seed(case.seed)
     if case.storage == "pool" and case.layout in (KVLayout.FLASH_ATTN, KVLayout.FLASHINFER, KVLayout.MLA,
-                                                  KVLayout.VLLM, KVLayout.VLLM_CPU):
+                                                  KVLayout.VLLM, KVLayout.VLLM_CPU, KVLayout.VLLM_CPU_AMX):
         # Layers as evenly spaced views of one buffer, as single-pool engines allocate them.
         one = make_cache(case.layout, case.nb, case.bs, case.nh, case.hs, case.dtype, "contiguous", generator)
         pool = random_tensor((case.num_layers, *one.shape), case.dtype, generator)
@@ -447,7 +483,8 @@ def kernel_moves_the_same_bytes_as_the_torch_path(kernel: str, case: Case, data:
     caches, manager = build(case)
     slot_mapping, start, end = draw_slots(case, data)
     fast, reference = KVTransfer(manager, caches), KVTransfer(manager, caches, kernel="torch")
-    assert fast.kernels == [kernel] and reference.kernels == ["torch"]
+    assert fast.kernels == [served_by(kernel, case.layout)]
+    assert reference.kernels == ["torch"]
     (chunk,) = fast.pack(slot_mapping, start=start, end=end)
     (expected,) = reference.pack(slot_mapping, start=start, end=end)
     assert torch.equal(chunk.view(torch.uint8), expected.view(torch.uint8))
@@ -559,7 +596,7 @@ def test_large_call_paths_of_the_numba_kernel_move_the_same_bytes(kernel: str) -
         numba_copy.PARALLEL_MIN_BYTES, numba_copy.STREAMING_MIN_BYTES = saved
 
 
-@pytest.mark.parametrize("layout", [KVLayout.VLLM, KVLayout.VLLM_CPU])
+@pytest.mark.parametrize("layout", [KVLayout.VLLM, KVLayout.VLLM_CPU, KVLayout.VLLM_CPU_AMX])
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
 def test_groups_overlaid_on_one_vllm_buffer_move_only_their_own_blocks(layout: KVLayout, order: str,
                                                                          kernel: str) -> None:
@@ -567,9 +604,11 @@ def test_groups_overlaid_on_one_vllm_buffer_move_only_their_own_blocks(layout: K
 
     A block id belongs to one group at a time, so copies of one group must touch only its blocks.
     """
-    if layout is KVLayout.VLLM_CPU and order == "LBNHC":
+    if layout.is_cpu_page and order == "LBNHC":
         pytest.skip("the CPU backend reads only head-major (LBHNC) pages")
     nb, nh, bs, hs, num_layers, dtype = 6, 2, 4, 8, 2, torch.bfloat16
+    if layout is KVLayout.VLLM_CPU_AMX:
+        bs, hs = 16, 16  # amx pages come in groups of 16 tokens and 16 head elements
     page_bytes = nh * bs * 2 * hs * dtype.itemsize
 
     def views(raw: torch.Tensor) -> list[torch.Tensor]:
@@ -588,7 +627,7 @@ def test_groups_overlaid_on_one_vllm_buffer_move_only_their_own_blocks(layout: K
                                            "sliding.2": SlidingWindow(window_tokens=8)}, layout=layout)
     sliding, full = manager.kv_layer_groups
     assert sliding.layer_names == ["sliding.0", "sliding.2"] and full.layer_names == ["full.1", "full.3"]
-    assert KVTransfer(manager, caches).kernels == [kernel, kernel]
+    assert KVTransfer(manager, caches).kernels == [served_by(kernel, layout)] * 2
     owned = {"sliding": [4, 1], "full": [2, 5, 3]}
     slots = {name: torch.tensor([b * bs + o for b in blocks for o in range(bs)]) for name, blocks in owned.items()}
     chunks = {

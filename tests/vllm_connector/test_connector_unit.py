@@ -18,7 +18,7 @@ import vllm
 
 from kvgroups import KVLayerGroupsManager
 from kvgroups.core.layouts import KVLayout
-from kvgroups.datapath.transfer import pack
+from kvgroups.datapath.transfer import pack, unpack
 from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import check_backends
@@ -441,6 +441,43 @@ def test_diff_kv_pages_are_restored_byte_for_byte(gemma3_dir: Path, tmp_path: Pa
             assert torch.equal(new.view(torch.uint8), old.view(torch.uint8))
 
 
+def test_amx_pages_are_planned_where_vllm_picks_its_amx_kernels_and_restored_byte_for_byte(
+        gemma3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AMX, vLLM packs bfloat16 pages of block sizes that are a multiple of 32 for its
+    amx kernels: both sides plan vllm_cpu_amx, check_backends takes 'amx' there and nothing else, and
+    a fresh engine's pages hold the first one's bytes (whole pages: tile-packed, not token rows)."""
+    monkeypatch.setattr("tests.vllm_connector.harness.DTYPE", torch.bfloat16)
+    monkeypatch.setattr("kvgroups.integrations.vllm.deployment.engine_layout", lambda is_cpu: KVLayout.VLLM_CPU)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    tokens, extra, kinds = prompt(100), file_store(tmp_path), ["sliding", "full"]
+
+    def engine(seed: int) -> tuple[SchedulerHarness, FakeWorker]:
+        kv = cache_config(kinds, block_size=32)
+        config = vllm_config(gemma3_dir, extra, block_size=32)
+        return SchedulerHarness(config, kv), FakeWorker(config, kv, layout=KVLayout.VLLM_CPU, seed=seed)
+
+    harness, first = engine(0)
+    assert {group.layout for group in first.deployment.groups} == {KVLayout.VLLM_CPU_AMX}
+    names = list(first.deployment.plan.layers)
+    check_backends(first.deployment.plan, dict.fromkeys(names, SimpleNamespace(
+        attn_backend=SimpleNamespace(get_name=lambda: "CPU_ATTN"), isa="amx")))
+    with pytest.raises(UnsupportedCacheError, match=r"kernels 'vec' for torch.bfloat16 pages planned as vllm_cpu_amx"):
+        check_backends(first.deployment.plan, dict.fromkeys(names, SimpleNamespace(
+            attn_backend=SimpleNamespace(get_name=lambda: "CPU_ATTN"), isa="vec")))
+    harness.add("fill", tokens)
+    (save,) = harness.run(first)[0].metadata.saves
+    harness, second = engine(1)
+    harness.add("reuse", tokens)
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 96 and (load.num_tokens, load.local_tokens) == (96, 0)
+    for group, (old_ids, new_ids) in enumerate(zip(save.block_ids, load.block_ids, strict=True)):
+        blocks = range(2, 3) if group == 0 else range(3)  # the sliding window keeps the last block of 32
+        for name in harness.kv_cache_config.kv_cache_groups[group].layer_names:
+            for block in blocks:
+                old, new = first.caches[name][old_ids[block]], second.caches[name][new_ids[block]]
+                assert torch.equal(new.view(torch.uint8), old.view(torch.uint8)), (name, block)
+
+
 def test_diff_kv_pages_are_refused_where_no_backend_writes_them(gemma3_dir: Path, tmp_path: Path) -> None:
     config = vllm_config(gemma3_dir, file_store(tmp_path))
     refused = (r"layer 'model.layers.0.attn' \(FullAttentionSpec\): values of 24 elements per head differ from keys of "
@@ -476,9 +513,12 @@ def test_backends_whose_pages_are_not_checked_are_refused(gemma3_dir: Path, tmp_
         with pytest.raises(UnsupportedCacheError, match=r"model.layers.0.attn: MLA backend CPU_MLA \(known: "):
             check_backends(mla.plan, layers(names, "CPU_MLA"))
     cpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM_CPU)
-    refused = r"backend CPU_ATTN, kernels 'amx' \(checked: CPU_ATTN with vec, vec16\)"
+    refused = (r"backend CPU_ATTN, kernels 'amx' for torch.float32 pages planned as vllm_cpu \(checked: CPU_ATTN "
+               r"with vec, vec16 for vllm_cpu; amx for vllm_cpu_amx\)")
     with pytest.raises(UnsupportedCacheError, match=refused):
         check_backends(cpu.plan, layers(list(cpu.plan.layers), "CPU_ATTN", "amx"))
+    with pytest.raises(UnsupportedCacheError, match=r"kernels 'neon' for torch.float32 pages planned as vllm_cpu"):
+        check_backends(cpu.plan, layers(list(cpu.plan.layers), "CPU_ATTN", "neon"))
     gpu = Deployment(config, cache_config(["full"]), layout=KVLayout.VLLM)
     with pytest.raises(UnsupportedCacheError, match=r"backend ROCM_AITER_FA \(known: FLASHINFER, FLASH_ATTN"):
         check_backends(gpu.plan, layers(list(gpu.plan.layers), "ROCM_AITER_FA"))
@@ -527,10 +567,22 @@ def test_the_pages_vllms_accepted_cpu_kernels_write_are_read_back_as_written(isa
     assert torch.equal(chunk[0, 0], key.flatten(1)) and torch.equal(chunk[1, 0], value.flatten(1))
 
 
+@CPU_OPS
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM's amx kernels need a CPU with AMX")
-def test_the_amx_kernels_pack_pages_unlike_the_vec_ones_the_connector_reads() -> None:
-    """Why 'amx' is refused: the same keys and values through vLLM's cache-writing op land elsewhere."""
-    assert not torch.equal(written_by_vllm("amx", 128)[3], written_by_vllm("vec", 128)[3])
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_the_pages_vllms_amx_kernels_write_are_read_back_and_written_as_they_write(head_size: int) -> None:
+    """vLLM's amx kernels pack pages otherwise than its vec ones (the same keys and values land
+    elsewhere); read in layout vllm_cpu_amx they give back what vLLM wrote, and unpacked into zeroed
+    pages they make the bytes vLLM's op made."""
+    key, value, slot_mapping, cache = written_by_vllm("amx", head_size)
+    assert not torch.equal(cache, written_by_vllm("vec", head_size)[3])
+    manager = KVLayerGroupsManager()
+    manager.build_kv_layer_groups({"layer": cache}, layout=KVLayout.VLLM_CPU_AMX)
+    (chunk,) = pack(manager, {"layer": cache}, slot_mapping)
+    assert torch.equal(chunk[0, 0], key.flatten(1)) and torch.equal(chunk[1, 0], value.flatten(1))
+    rebuilt = torch.zeros_like(cache)
+    unpack(manager, {"layer": rebuilt}, [chunk], slot_mapping)
+    assert torch.equal(rebuilt.view(torch.int16), cache.view(torch.int16))
 
 
 def test_a_secret_seals_every_entry_and_saves_hold_bounded_host_memory(gemma3_dir: Path, tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from kvgroups.core.dtypes import dtype_from_name
 from kvgroups.store import FileStore, open_store
 from kvgroups.store.codec import EntryInfo, decode_entry, encode_entry, read_header
@@ -63,8 +66,6 @@ def requests(*token_lists: list[int], cache_salt: str | None = None) -> list[dic
 
 def add_noise(store_dir: Path, key: str) -> None:
     """Replace an entry by a valid one (checksum and all) holding other KV: a load that uses it must differ."""
-    import torch
-
     store = FileStore(store_dir)
     value = store.get(key)
     assert value is not None
@@ -165,14 +166,32 @@ def test_gemma3_sliding_and_full_groups_reuse_redis_in_multiprocess_engines(tmp_
     assert cached(second[2]) == [0] and outputs(second[2]) == outputs(first[1])
 
 
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                    reason="vLLM's amx attention kernels need a CPU with AMX tiles (grep amx_tile /proc/cpuinfo)")
+def test_llama_in_bfloat16_reuses_a_prefix_on_vllms_amx_kernels(tmp_path: Path) -> None:
+    """On a CPU with AMX, vLLM runs bfloat16 attention of block size 32 and head size 32 on its amx
+    kernels, whose pages are tile-packed: a second engine's hit gives the tokens and logprobs of an
+    engine without the connector."""
+    model = str(save_model("llama", tmp_path / "llama"))
+    store_dir = tmp_path / "kv"
+    job = {"model": model, "dtype": "bfloat16", "store_dir": str(store_dir)}
+    connector = {"store": f"file://{store_dir}", "chunk_size": CHUNK}
+    phases = [{"requests": requests(prompt(0))}]
+    baseline = run_engines({**job, "connector": None, "phases": phases}, tmp_path, "baseline", multiprocess=False)
+    first = run_engines({**job, "connector": connector, "phases": phases}, tmp_path, "first", multiprocess=False)
+    assert len(first[0]["store_keys"]) == 4 and outputs(first[0]) == outputs(baseline[0])
+    second = run_engines({**job, "connector": connector, "phases": phases}, tmp_path, "second", multiprocess=False)
+    assert cached(second[0]) == [256] and outputs(second[0]) == outputs(baseline[0])
+
+
 def test_qwen3_next_restores_gated_deltanet_states_with_attention(tmp_path: Path) -> None:
     """A hybrid: linear-attention (gated DeltaNet) layers keep a state, full-attention layers K/V.
 
     vLLM runs this model in bfloat16 only, and sizes its attention blocks so that a page holds a
     state. Pinned so that every x86 CPU runs the same engine: SSM states in float32 (on auto vLLM
     keeps them in bfloat16 or resets them to float32, depending on the CPU's AVX512-BF16), and
-    attention on vLLM's vec kernels (on CPUs with AMX it would pick its amx kernels, whose pages
-    the connector refuses, tested in the unit tests). Blocks, and chunks, are then 288 tokens;
+    attention on vLLM's vec kernels (on CPUs with AMX it would pick its amx kernels: their pages are
+    the llama amx test's). Blocks, and chunks, are then 288 tokens;
     prefill steps of one chunk end on chunk boundaries, where states are saved.
     """
     model = str(save_model("qwen3_next", tmp_path / "qwen3_next"))

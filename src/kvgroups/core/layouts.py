@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgroups.core.cpu_pages import cpu_page_problem, vec_page_plane
 from kvgroups.errors import KVGroupsError
 
 
@@ -49,6 +50,7 @@ class KVLayout(enum.Enum):
     KV_SPLIT_HND   ``[num_blocks, num_heads, block_size, head_size]``    two: ``(k, v)``
     VLLM           ``[num_blocks, num_heads, block_size, 2 * head_size]`` one (vLLM 0.2x+ GPU backends)
     VLLM_CPU       ``[num_blocks, num_heads, block_size, 2 * head_size]`` one (vLLM's CPU backend)
+    VLLM_CPU_AMX   ``[num_blocks, num_heads, block_size, 2 * head_size]`` one (its ``amx`` kernels)
     RECURRENT      ``[num_state_slots, *state_shape]``                   one or more states
     ============== ===================================================== ========================
 
@@ -58,7 +60,9 @@ class KVLayout(enum.Enum):
     last axis of each (block, head, token) holds that token's K row, then its V row; in
     ``VLLM_CPU`` (the CPU backend's ``vec`` kernels) each (block, head) page holds the block's K
     transposed, ``[head_size, block_size]``, then its V, ``[block_size, head_size]``, so a
-    token's K elements lie ``block_size`` apart. The shape cannot tell them apart.
+    token's K elements lie ``block_size`` apart; in ``VLLM_CPU_AMX`` (the CPU backend's ``amx``
+    kernels, bfloat16 on CPUs with AMX) both halves are packed as AMX tiles
+    (:mod:`kvgroups.core.cpu_pages`). The shape cannot tell them apart.
     """
 
     FLASH_ATTN = "flash_attn"
@@ -70,6 +74,7 @@ class KVLayout(enum.Enum):
     KV_SPLIT_HND = "kv_split_hnd"
     VLLM = "vllm"
     VLLM_CPU = "vllm_cpu"
+    VLLM_CPU_AMX = "vllm_cpu_amx"
     RECURRENT = "recurrent"
 
     @property
@@ -109,22 +114,25 @@ class KVLayout(enum.Enum):
         GPU pages of K rows then V rows (``head_size + head_size_v``). Layouts with a K/V axis hold
         both planes in one head size, so values of another size are padded there; vLLM's CPU
         backend splits each page in two halves of one head size (it has no diff-KV kernels)."""
-        return self.holds_kv and Axis.KV not in self.axes and self is not KVLayout.VLLM_CPU
+        return self.holds_kv and Axis.KV not in self.axes and not self.is_cpu_page
+
+    @property
+    def is_cpu_page(self) -> bool:
+        """Whether each (block, head) page is vLLM's CPU backend's: contiguous, keys then values."""
+        return self in (KVLayout.VLLM_CPU, KVLayout.VLLM_CPU_AMX)
 
     def layout_problem(self, tensor: torch.Tensor, value_head_size: int | None = None) -> str | None:
         """Why ``tensor`` (of this layout's rank) cannot be read in this layout, or None.
 
-        Strides are free except where a layout fixes how a page is laid out: a ``VLLM_CPU``
-        page of one (block, head) is ``2 * block_size * head_size`` contiguous elements.
+        Strides are free except where a layout fixes how a page is laid out: a ``VLLM_CPU`` or
+        ``VLLM_CPU_AMX`` page of one (block, head) is ``2 * block_size * head_size`` contiguous
+        elements, and an ``amx`` page holds bfloat16 in groups of 16 tokens and 16 head elements.
         """
         # With a value head size of its own the page's split is :func:`geometry`'s to check.
         if _KVHS in self.axes and value_head_size is None and tensor.shape[-1] % 2:
             return f"its last axis (2 * head_size) is {tensor.shape[-1]}, not even"
-        if self is KVLayout.VLLM_CPU:
-            block_size, width = tensor.shape[2], tensor.shape[3]
-            if (width > 1 and tensor.stride(3) != 1) or (block_size > 1 and tensor.stride(2) != width):
-                return (f"its strides {list(tensor.stride())} do not keep each (block, head) page of "
-                        f"{block_size} x {width} elements contiguous, as vLLM's CPU backend does")
+        if self.is_cpu_page:
+            return cpu_page_problem(tensor, amx=self is KVLayout.VLLM_CPU_AMX)
         return None
 
     @classmethod
@@ -147,6 +155,7 @@ _AXES: dict[KVLayout, tuple[Axis, ...]] = {
     KVLayout.KV_SPLIT_HND: (_NB, _NH, _BS, _HS),
     KVLayout.VLLM: (_NB, _NH, _BS, _KVHS),
     KVLayout.VLLM_CPU: (_NB, _NH, _BS, _KVHS),
+    KVLayout.VLLM_CPU_AMX: (_NB, _NH, _BS, _KVHS),
     KVLayout.RECURRENT: (Axis.STATE_SLOTS, Axis.STATE),
 }
 
@@ -263,7 +272,7 @@ def detect_layout(value: object) -> KVLayout | None:
     A list or tuple of two tensors is KV_SPLIT; a rank-3 tensor is MLA; a rank-5 tensor is
     FLASH_ATTN when its dim 0 is 2 (read as the K/V axis, as LMCache does, even when num_blocks
     is 2 too) and FLASHINFER when only its dim 1 is 2. Heads-before-block-size (HND) orders,
-    and vLLM's rank-4 pages (VLLM or VLLM_CPU, which differ only inside a page), cannot be told
+    and vLLM's rank-4 pages (VLLM, VLLM_CPU and VLLM_CPU_AMX differ only inside a page), cannot be told
     apart from a shape and must be passed explicitly.
     """
     if isinstance(value, (list, tuple)):
@@ -291,7 +300,7 @@ def layout_from_shape(shape: Sequence[int]) -> KVLayout:
         raise KVGroupsError(
             f"cannot tell the layout of shape {list(shape)}: expected rank 5 with 2 at dim 0 (flash_attn) "
             f"or dim 1 (flashinfer), rank 3 (mla), or a (k, v) pair of tensors; pass layout= for HND "
-            f"layouts and for vLLM's rank-4 pages (vllm, vllm_cpu)"
+            f"layouts and for vLLM's rank-4 pages (vllm, vllm_cpu, vllm_cpu_amx)"
         )
     return layout
 
@@ -303,11 +312,15 @@ def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int,
     Writes through the returned view land in ``tensor`` (it is never a copy). For MLA the heads
     axis has size 1; for KV_SPLIT layouts ``tensor`` is the K or the V tensor itself. A
     ``VLLM_CPU`` tensor must pass :meth:`KVLayout.layout_problem` (its pages are contiguous).
+    ``VLLM_CPU_AMX`` pages have no such view (a token's elements are not evenly spaced): read them
+    through :func:`kvgroups.core.cpu_pages.amx_page_plane`.
     ``value_head_size`` splits a vLLM page's last axis into keys and values of different sizes
     (the V plane's view then has ``value_head_size`` as its last axis).
     """
     if layout is KVLayout.VLLM_CPU:
-        return _cpu_page_plane(tensor, kv_index)
+        return vec_page_plane(tensor, kv_index)
+    if layout is KVLayout.VLLM_CPU_AMX:
+        raise KVGroupsError("layout vllm_cpu_amx has no token-major view: read it through amx_page_plane")
     axes = layout.axes
     if _KVHS in axes and value_head_size is not None:
         position = axes.index(_KVHS)
@@ -328,19 +341,3 @@ def to_token_major(layout: KVLayout, tensor: torch.Tensor, kv_index: int,
         axes = (*axes[:-1], _NH, _HS)
     return tensor.permute([axes.index(axis) for axis in TOKEN_MAJOR_AXES])
 
-
-def _cpu_page_plane(tensor: torch.Tensor, kv_index: int) -> torch.Tensor:
-    """Plane ``kv_index`` of a ``VLLM_CPU`` tensor as a token-major view of its storage.
-
-    Element ``d`` of token ``t``'s K in page (block, head) sits at ``d * block_size + t`` of the
-    page, its V element at ``block_size * head_size + t * head_size + d``.
-    """
-    num_blocks, num_heads, block_size, width = tensor.shape
-    head_size = width // 2
-    block_stride, head_stride = tensor.stride(0), tensor.stride(1)
-    base = tensor.storage_offset()
-    if kv_index == 0:
-        return tensor.as_strided((num_blocks, block_size, num_heads, head_size),
-                                 (block_stride, 1, head_stride, block_size), base)
-    return tensor.as_strided((num_blocks, block_size, num_heads, head_size),
-                             (block_stride, head_size, head_stride, 1), base + block_size * head_size)

@@ -38,7 +38,7 @@ def _same_memory(tensors: tuple[torch.Tensor, ...], pointers: tuple[int, ...]) -
     return all(tensor.data_ptr() == pointer for tensor, pointer in zip(tensors, pointers, strict=True))
 
 
-def check_still_bound(table: TokenTable | StateTable) -> None:
+def check_still_bound(table: TokenTable | StateTable | AmxTable) -> None:
     """Raise when a tensor the table addresses was reallocated since the table was built."""
     if not table.still_valid():
         raise KVGroupsError(
@@ -132,7 +132,10 @@ def token_tables(layout: KVLayout, layers: Sequence[Tensors],
     whose K and V pages differ (``VLLM_CPU``), or values of a head size of their own, get one
     per plane. None when the layers' tensors differ in strides (each plane must be located the
     same way in every layer). A pair's V tensors may differ from its K tensors in their last axis.
+    None too for ``VLLM_CPU_AMX`` pages, where a token's row is not evenly spaced pieces.
     """
+    if layout is KVLayout.VLLM_CPU_AMX:
+        return None
     planes = [kv_planes(layout, tensors) for tensors in layers]
     for position in range(len(planes[0])):
         strides = planes[0][position][0].stride()
@@ -218,4 +221,43 @@ def state_table(layers: Sequence[Tensors]) -> StateTable | None:
         tensors=tensors, pointers=tuple(tensor.data_ptr() for tensor in tensors),
         bases=as_table(bases), slot_strides=as_table(strides), unit_bytes=as_table(sizes),
         columns=as_table(columns), layers=as_table(owners), num_layers=len(layers), row_bytes=row_bytes,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class AmxTable:
+    """Byte addresses of a group's pages as vLLM's amx kernels pack them (``VLLM_CPU_AMX``).
+
+    Page (block, head) of layer ``l`` starts ``block * block_stride + head * head_stride`` bytes
+    after ``bases[l]``: its keys, then its values, ``block_size * head_size`` elements each, in
+    the order :mod:`kvgroups.core.cpu_pages` spells out.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    pointers: tuple[int, ...]
+    bases: torch.Tensor  # int64 [num_layers], on the CPU
+    block_stride: int
+    head_stride: int
+    num_heads: int
+    block_size: int
+    head_size: int
+    element_bytes: int
+
+    def still_valid(self) -> bool:
+        return _same_memory(self.tensors, self.pointers)
+
+
+def amx_table(layers: Sequence[Tensors]) -> AmxTable | None:
+    """The table of a ``VLLM_CPU_AMX`` group's layer tensors, or None when the layers differ in strides."""
+    tensors = tuple(layer[0] for layer in layers)
+    first = tensors[0]
+    if any(tensor.stride() != first.stride() for tensor in tensors):
+        return None
+    _, num_heads, block_size, width = first.shape
+    item = first.element_size()
+    return AmxTable(
+        tensors=tensors, pointers=tuple(tensor.data_ptr() for tensor in tensors),
+        bases=torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64),
+        block_stride=first.stride(0) * item, head_stride=first.stride(1) * item, num_heads=num_heads,
+        block_size=block_size, head_size=width // 2, element_bytes=item,
     )

@@ -23,7 +23,7 @@ import torch
 
 from kvgroups.core.group_keys import Tensors
 from kvgroups.core.layouts import KVLayout
-from kvgroups.datapath.address_tables import state_table, token_tables
+from kvgroups.datapath.address_tables import amx_table, state_table, token_tables
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.torch_copy import StateCopier, TokenCopier
 from kvgroups.errors import KVGroupsError
@@ -83,6 +83,12 @@ def choose_kernel(device: torch.device, requested: str | None = None) -> str:
 def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequence[Tensors],
                  num_threads: int | None, value_head_size: int | None = None) -> tuple[str, Copier]:
     """The copier of one token-indexed group, and the kernel it uses."""
+    if layout is KVLayout.VLLM_CPU_AMX and kernel == "numba":
+        table = amx_table(layers)
+        if table is not None:
+            from kvgroups.datapath.numba_amx import NumbaAmxCopier  # noqa: PLC0415 - numba loads on use
+
+            return kernel, NumbaAmxCopier(table, num_threads)
     tables = None if kernel == "torch" else token_tables(layout, layers, value_head_size)
     if tables is not None and kernel == "numba":
         from kvgroups.datapath.numba_copy import NumbaTokenCopier  # noqa: PLC0415 - numba/triton load on use
@@ -113,8 +119,10 @@ def warm_up(device: torch.device | str = "cpu") -> str:
     """Compile the kernel caches on ``device`` will use, now rather than in their first copy; its name."""
     kernel = choose_kernel(torch.device(device))
     if kernel == "numba":
+        from kvgroups.datapath.numba_amx import warm_up as compile_amx  # noqa: PLC0415 - numba loads on use
         from kvgroups.datapath.numba_copy import warm_up as compile_numba  # noqa: PLC0415 - numba loads on use
 
         compile_numba()
+        compile_amx()
     return kernel
 

@@ -40,7 +40,7 @@ _LOCKSTEP_MAX_BYTES = 8192  # runs up to this long are copied four at a time
 
 
 @contextlib.contextmanager
-def _parallel_region() -> Iterator[None]:
+def parallel_region() -> Iterator[None]:
     """One parallel kernel at a time, leaving torch's thread count as the caller set it.
 
     numba's OpenMP threading layer shares libgomp with torch: launching a parallel kernel sets the
@@ -229,7 +229,7 @@ class NumbaTokenCopier:
                          table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride, scatter,
                          streaming)
             if parallel:
-                with _parallel_region():
+                with parallel_region():
                     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
                     _copy_tokens_parallel(*arguments)
             else:
@@ -267,7 +267,7 @@ def warm_up() -> None:
     for streaming in (False, STREAMING_STORES):
         _copy_tokens_serial(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4, False,
                             streaming)
-        with _parallel_region():
+        with parallel_region():
             _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4,
                                   False, streaming)
     if not np.array_equal(source, target):

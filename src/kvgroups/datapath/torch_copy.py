@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgroups.core.cpu_pages import amx_page_plane
 from kvgroups.core.group_keys import Tensors, kv_planes
 from kvgroups.core.layouts import KVLayout, to_token_major
 from kvgroups.datapath.address_tables import widest_word
@@ -61,6 +62,8 @@ class RowMap:
 def row_map(layout: KVLayout, tensor: torch.Tensor) -> RowMap | None:
     """The row map of one layer tensor in ``layout``, or None when its token rows are not contiguous."""
     # A (k, v) pair's tensors each hold one plane; other layouts hold kv_size planes in one tensor.
+    if layout is KVLayout.VLLM_CPU_AMX:
+        return None  # no token has a row of its own in an amx page
     planes_in_tensor = 1 if layout.tensors_per_layer == 2 else layout.kv_size
     token_major = [to_token_major(layout, tensor, plane) for plane in range(planes_in_tensor)]
     num_blocks, block_size, num_heads, head_size = token_major[0].shape
@@ -132,6 +135,9 @@ class TokenCopier:
         self.split_views = [] if value_head_size is None else [
             [to_token_major(layout, tensor, plane, value_head_size) for tensor, plane in layer]
             for layer in self.planes]
+        # vLLM's amx pages: each layer's K and V planes as views whose token axis is split in groups.
+        self.grouped_views = [] if layout is not KVLayout.VLLM_CPU_AMX else [
+            [amx_page_plane(tensor, plane) for tensor, plane in layer] for layer in self.planes]
         self.pooled = self._pooled_planes() if self.shared is not None and self.num_layers > 1 else None
         # Per (plane, layer): (block-row view or None, token-row view) over the layer's own storage,
         # or None where the layer's strides differ from the first (copied through a token-major view).
@@ -206,6 +212,9 @@ class TokenCopier:
         if self.split_views:
             self._copy_split_rows(chunk, plan, scatter)
             return
+        if self.grouped_views:
+            self._copy_grouped(chunk, plan, scatter)
+            return
         shared = self.shared
         split = plan.num_block_tokens if shared is not None and shared.blocks_contiguous else 0
         row_type = self.scatter_type if scatter else chunk.dtype
@@ -239,6 +248,33 @@ class TokenCopier:
                 width = token_major.shape[2] * token_major.shape[3]
                 _copy_token_major(token_major, plan, chunk[0, layer, :, column:column + width], scatter)
                 column += width
+
+    def _copy_grouped(self, chunk: torch.Tensor, plan: TokenPlan, scatter: bool) -> None:
+        """Pages whose token axis is split in groups (vLLM's amx pages): whole blocks move as whole
+        pages, every other token through its group and its place in the group."""
+        split = plan.num_block_tokens
+        rows = chunk.view(self.num_planes, self.num_layers, plan.num_tokens, -1)
+        groups: dict[int, torch.Tensor] = {}
+        within: dict[int, torch.Tensor] = {}
+        for layer, views in enumerate(self.grouped_views):
+            for plane, (view, group) in enumerate(views):
+                if split:
+                    pages = rows[plane, layer, :split].view(-1, *view.shape[1:])
+                    if scatter:
+                        view.index_copy_(0, plan.block_ids, pages)
+                    else:
+                        torch.index_select(view, 0, plan.block_ids, out=pages)
+                if split == plan.num_tokens:
+                    continue
+                if group not in groups:
+                    offsets = plan.offsets[split:]
+                    groups[group], within[group] = offsets // group, offsets % group
+                tokens = rows[plane, layer, split:].view(-1, *view.shape[3:])
+                index = (plan.blocks[split:], groups[group], within[group])
+                if scatter:
+                    view.index_put_(index, tokens)
+                else:
+                    tokens.copy_(view[index])
 
     def _copy_pooled(self, chunk: torch.Tensor, plan: TokenPlan, scatter: bool) -> bool:
         """One copy per K/V plane for all layers; False (nothing copied) when the views do not serve."""

@@ -8,7 +8,8 @@ arrive at the same groups (the same fingerprint), which the worker checks. kvgro
 span two vLLM groups, even of equal specs, because each vLLM group has its own block table.
 
 A layer's value is what kvgroups moves: an attention layer's ``[num_blocks, num_heads,
-block_size, 2 * head_size]`` view as it is (layout ``VLLM`` or ``VLLM_CPU``; ``head_size +
+block_size, 2 * head_size]`` view as it is (layout ``VLLM``, or ``VLLM_CPU`` / ``VLLM_CPU_AMX`` as
+the CPU backend's kernels pack its pages; ``head_size +
 head_size_v`` where values have a head size of their own, MiMo-V2's diff-KV pages, which only
 vLLM's GPU backends write); an MLA layer's
 ``[num_blocks, 1, block_size, head_size]`` view without its head axis (layout ``MLA``); a mamba
@@ -136,8 +137,27 @@ def natural_key(name: str) -> tuple[Any, ...]:
 
 
 def engine_layout(is_cpu: bool) -> KVLayout:
-    """The layout of vLLM's attention caches: the CPU backend's pages, else the GPU backends' views."""
+    """The layout of vLLM's attention caches: the CPU backend's pages, else the GPU backends' views.
+
+    On the CPU each layer's pages are then those of the kernels vLLM picks for it (:func:`cpu_page_layout`)."""
     return KVLayout.VLLM_CPU if is_cpu else KVLayout.VLLM
+
+
+def cpu_page_layout(spec: AttentionSpec) -> KVLayout:
+    """How vLLM's CPU backend packs this attention layer's pages: as its ``amx`` kernels do, or its
+    ``vec`` / ``vec16`` ones.
+
+    vLLM 0.32 and 0.33 (``cpu_attn._get_attn_isa``) pick ``vec16`` for head sizes that are a
+    multiple of 16 but not of 32, else ``amx`` for bfloat16 with block sizes that are a multiple of
+    32 on a CPU with AMX tiles. vLLM reads the model's dtype there, the spec holds the cache's: the
+    two differ only for an fp8 cache, whose amx pages are another layout, refused by
+    :func:`check_backends` (it compares every layer's kernels with this choice at registration).
+    """
+    vec16 = spec.head_size % 32 != 0 and spec.head_size % 16 == 0
+    if (not vec16 and spec.dtype == torch.bfloat16 and spec.block_size % 32 == 0
+            and torch.cpu._is_amx_tile_supported()):
+        return KVLayout.VLLM_CPU_AMX
+    return KVLayout.VLLM_CPU
 
 
 def _token_kind(name: str, spec: AttentionSpec) -> LayerCacheSpec:
@@ -193,6 +213,8 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
         if type(spec) is not MLAAttentionSpec:
             raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__} caches are not supported")
         return LayerPlan(name, MLAttention(), KVLayout.MLA, spec.dtype, head_size=spec.head_size)
+    if layout is KVLayout.VLLM_CPU:
+        layout = cpu_page_layout(spec)
     return LayerPlan(name, _token_kind(name, spec), layout, spec.dtype, num_heads=spec.num_kv_heads,
                      head_size=spec.head_size, value_head_size=value_head_size)
 
@@ -273,11 +295,10 @@ class EnginePlan:
 DIFF_KV_BACKENDS = frozenset({"FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV"})
 GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}) | DIFF_KV_BACKENDS
 MLA_BACKENDS = frozenset({"FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
-# The CPU backend's kernel families whose page layout (layout VLLM_CPU) was checked, by reading
-# back what vLLM's cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a
-# multiple of 16 but not 32); others pack pages their own way (amx, checked) or are unchecked
-# (neon, vsx, vxe, rvv).
-CPU_ISAS = frozenset({"vec", "vec16"})
+# The CPU backend's kernel families whose page layouts were checked, by reading back what vLLM's
+# cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a multiple of 16 but not
+# 32; amx packs bfloat16 pages as AMX tiles); the others (neon, vsx, vxe, rvv) are unchecked.
+CPU_ISAS = {KVLayout.VLLM_CPU: frozenset({"vec", "vec16"}), KVLayout.VLLM_CPU_AMX: frozenset({"amx"})}
 
 
 def check_backends(plan: EnginePlan, forward_context: Mapping[str, Any]) -> None:
@@ -289,11 +310,13 @@ def check_backends(plan: EnginePlan, forward_context: Mapping[str, Any]) -> None
             continue
         layer = forward_context.get(name)
         backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
-        if layer_plan.layout is KVLayout.VLLM_CPU:
-            isa = getattr(layer, "isa", None)
-            if backend != "CPU_ATTN" or isa not in CPU_ISAS:
-                problems.append(f"{name}: backend {backend}, kernels {isa!r} (checked: CPU_ATTN with "
-                                f"{', '.join(sorted(CPU_ISAS))})")
+        if layer_plan.layout.is_cpu_page:
+            isa, expected = getattr(layer, "isa", None), CPU_ISAS[layer_plan.layout]
+            if backend != "CPU_ATTN" or isa not in expected:
+                checked = "; ".join(f"{', '.join(sorted(isas))} for {layout.value}"
+                                    for layout, isas in CPU_ISAS.items())
+                problems.append(f"{name}: backend {backend}, kernels {isa!r} for {layer_plan.dtype} pages planned as "
+                                f"{layer_plan.layout.value} (checked: CPU_ATTN with {checked})")
         elif layer_plan.layout is KVLayout.MLA:
             if backend not in MLA_BACKENDS:
                 problems.append(f"{name}: MLA backend {backend} (known: {', '.join(sorted(MLA_BACKENDS))})")
