@@ -11,9 +11,12 @@ Rows:
     event completed, and the caches hold its bytes once it is;
   * synchronizations: what a save (gather, copy to pinned memory, event) makes the launching thread wait
     for, counted with ``torch.cuda.set_sync_debug_mode``;
-  * vLLM engines: reported skipped where vLLM is not installed (the lent GPU machines have none).
-``--device cpu`` runs the kernel rows on the CPU (Triton under its interpreter, small shapes): that part
-runs in ``make test``.
+  * vLLM engines (:mod:`gpu_engines`): a tiny llama-like model and a qwen3-next-like hybrid on FLASH_ATTN and
+    FLASHINFER, a prefix stored by one process reused by another with identical greedy tokens and logprobs,
+    and its time to first token against vLLM's own prefix cache and against computing it; skipped where
+    vLLM is not installed (the lent GPU machines have none). ``--engines none`` leaves them out.
+``--device cpu`` runs the kernel rows on the CPU (Triton under its interpreter, small shapes), and with
+``--engines llama`` the llama engine row on vLLM's CPU build: that part runs in ``make test``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ from kvgroups.integrations.vllm.loads import BackgroundLoads  # the worker's loa
 from kvgroups.transfer import KVTransfer
 
 Row = tuple[str, str, str]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _caches(case: str, device: torch.device, dtype: torch.dtype, layers: int, blocks: int,
@@ -208,10 +213,16 @@ def sync_rows(device: torch.device) -> list[Row]:
              f"{len(found)}" + (f" ({found[0][:60]})" if found else ""))]
 
 
-def engine_rows() -> list[Row]:
-    if importlib.util.find_spec("vllm") is None:
-        return [("vLLM CUDA engines (llama-like, qwen3-next-like)", "-", "skipped: vLLM is not installed here")]
-    return [("vLLM CUDA engines (llama-like, qwen3-next-like)", "-", "not written yet")]
+def engine_rows(device: str, backends: tuple[str, ...], models: tuple[str, ...] | None = None) -> list[Row]:
+    """Real vLLM engines on ``backends`` reusing a prefix across processes (:mod:`gpu_engines`)."""
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
+        return [("vLLM engines (llama-like, qwen3-next-like)", ", ".join(backends),
+                 "skipped: vLLM (with transformers) is not installed here")]
+    sys.path.insert(0, str(ROOT))  # the engine runner and the tiny models live in tests/
+    from benchmarks.gpu_engines import MODELS
+    from benchmarks.gpu_engines import engine_rows as run_engines
+
+    return run_engines(device, backends, models or tuple(MODELS))
 
 
 def print_table(rows: list[Row], device: str) -> None:
@@ -224,17 +235,28 @@ def print_table(rows: list[Row], device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for the kernel rows only")
+    parser.add_argument("--engines", choices=("all", "none", "llama"), default="all",
+                        help="which vLLM engine rows to run (with --device cpu: none unless asked, on CPU_ATTN)")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        print_table(kernel_rows(torch.device("cpu"), layers=2, blocks=4, num_slots=12), "cpu (Triton interpreted)")
-        return 0
+        rows = kernel_rows(torch.device("cpu"), layers=2, blocks=4, num_slots=12)
+        if args.engines not in {"all", "none"}:
+            rows += engine_rows("cpu", ("CPU_ATTN",), (args.engines,))
+        print_table(rows, "cpu (Triton interpreted)")
+        return _exit_code(rows)
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; nothing checked")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = [*kernel_rows(device), *speed_rows(device), *completion_rows(device), *sync_rows(device), *engine_rows()]
+    rows = [*kernel_rows(device), *speed_rows(device), *completion_rows(device), *sync_rows(device)]
+    if args.engines != "none":
+        rows += engine_rows("cuda", ("FLASH_ATTN", "FLASHINFER"), None if args.engines == "all" else (args.engines,))
     print_table(rows, torch.cuda.get_device_name(device))
+    return _exit_code(rows)
+
+
+def _exit_code(rows: list[Row]) -> int:
     return 0 if not any("DIFFERS" in row[2] or row[2].startswith("NO") for row in rows) else 1
 
 

@@ -2,10 +2,12 @@
 
 ``python -m tests.vllm_connector.engine_runner JOB.json`` where the job is ``{"model": dir,
 "dtype": ..., "connector": extra_config or null, "phases": [{"requests": [{"prompt_token_ids":
-[...], "cache_salt": ...}], "before": {"stop_pid": pid} (optional)}], "out": path, "store_dir":
-dir (optional)}``. Greedy, with logprobs, vLLM's prefix cache off. With ``store_dir`` (a file
-store), each phase's result lists the keys the store holds after it, its saves written. Optional:
-``"mamba_ssm_cache_dtype"``, and ``"cpu_attention_kernels": "vec"``, which keeps vLLM's CPU
+[...], "cache_salt": ...}], "before": {"stop_pid": pid}, "max_tokens": n, "kv_transfer_params": {...}
+(each optional)}],
+"out": path, "store_dir": dir (optional)}``. Greedy, with logprobs, vLLM's prefix cache off unless
+``"prefix_caching": true``. With ``store_dir`` (a file store), each phase's result lists the keys
+the store holds after it, its saves written. Optional: ``"attention_backend"`` (a vLLM backend
+name), ``"mamba_ssm_cache_dtype"``, and ``"cpu_attention_kernels": "vec"``, which keeps vLLM's CPU
 attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a bfloat16
 job runs the same kernels on every x86 CPU.
 
@@ -35,8 +37,11 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
             kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=connector, kv_load_failure_policy="recompute",
         )
+    if "attention_backend" in job:
+        extra["attention_config"] = {"backend": job["attention_backend"]}
     return LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),
-               enforce_eager=True, enable_prefix_caching=False, max_model_len=job.get("max_model_len", 2048),
+               enforce_eager=True, enable_prefix_caching=job.get("prefix_caching", False),
+               max_model_len=job.get("max_model_len", 2048),
                max_num_seqs=4, max_num_batched_tokens=job.get("max_num_batched_tokens", 2048), seed=0,
                mamba_ssm_cache_dtype=job.get("mamba_ssm_cache_dtype", "auto"), **extra)
 
@@ -64,11 +69,10 @@ def main() -> None:
     if job.get("cpu_attention_kernels") == "vec":
         import torch
 
-        # vLLM picks its amx kernels, whose pages the connector refuses, when this says yes.
+        # vLLM picks its amx kernels (tile-packed pages) when this says yes.
         torch.cpu._is_amx_tile_supported = lambda: False
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=2, ignore_eos=True)
     engine = _engine(job, job.get("connector"))
     results: list[dict[str, Any]] = []
     for phase in job["phases"]:
@@ -76,6 +80,10 @@ def main() -> None:
         if "stop_pid" in before:
             os.kill(before["stop_pid"], signal.SIGKILL)
             time.sleep(0.2)
+        transfer = phase.get("kv_transfer_params")  # e.g. {"kvgroups": {"load": false, "save": false}}
+        params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", job.get("max_tokens", 8)),
+                                logprobs=2, ignore_eos=True,
+                                extra_args={"kv_transfer_params": transfer} if transfer else None)
         started = time.perf_counter()
         outputs = engine.generate(phase["requests"], params, use_tqdm=False)
         elapsed = time.perf_counter() - started
@@ -85,6 +93,8 @@ def main() -> None:
             assert all(engine.collective_rpc(flush_saves))
         results.append({
             "seconds": elapsed,
+            # The block size vLLM settled on (for a hybrid it sizes attention blocks to hold a state).
+            "block_size": engine.llm_engine.vllm_config.cache_config.block_size,
             "outputs": [{
                 "token_ids": list(output.outputs[0].token_ids),
                 "logprobs": [entry[token].logprob for token, entry in

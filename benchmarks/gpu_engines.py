@@ -1,0 +1,111 @@
+"""gpu-check's engine rows: real vLLM engines reusing a prefix another process stored, and their time to first token.
+
+Per model (a tiny random-weight llama-like model, a qwen3-next-like hybrid of gated-DeltaNet and
+full attention) and attention backend, two engines run one after the other, each in its own
+process (``tests.vllm_connector.engine_runner``), on one file store:
+
+* the first, with the connector, computes the prompt with the connector turned off for the request
+  (its greedy tokens and logprobs are the reference), then serves it normally, which stores it;
+* the second, a fresh process, serves the prompt from the store and must give the same tokens and
+  logprobs; then, ``max_tokens=1``: a stored prompt (a store hit), the same prompt again (vLLM's own
+  prefix cache where it runs with it: attention-only models; a hybrid runs with vLLM's prefix
+  cache off, where the connector serves its states), and a fresh prompt of the same length with
+  the connector off (computed).
+
+A hybrid's attention block size is vLLM's choice (it sizes blocks to hold a state): the first
+engine reports it and the chunk size follows it. Any failure is a row saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OFF = {"kvgroups": {"load": False, "save": False}}
+Row = tuple[str, str, str]
+# Per model: the runner's settings. The hybrid's SSM states in float32, as vLLM's CPU build keeps them.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"dtype": "bfloat16", "chunk": 64, "prompt": 300},
+    "qwen3_next": {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32", "prompt": 700},
+}
+
+
+def _prompt(seed: int, length: int) -> list[dict[str, Any]]:
+    return [{"prompt_token_ids": [4 + (index * 37 + seed * 101 + 11) % 508 for index in range(length)]}]
+
+
+def _run(job: dict[str, Any], directory: Path, name: str, device: str) -> list[dict[str, Any]]:
+    job = {**job, "out": str(directory / f"{name}.json")}
+    (directory / f"{name}-job.json").write_text(json.dumps(job))
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    if device == "cpu":
+        environment["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    completed = subprocess.run([sys.executable, "-m", "tests.vllm_connector.engine_runner",
+                                str(directory / f"{name}-job.json")], cwd=ROOT, env=environment,
+                               capture_output=True, text=True, timeout=600, check=False)
+    if completed.returncode != 0:
+        lines = [line for line in completed.stderr.splitlines() if line.strip()]
+        raise RuntimeError(lines[-1][-160:] if lines else f"exit {completed.returncode}")
+    return list(json.loads(Path(job["out"]).read_text()))
+
+
+def _outputs(phase: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+    return [(output["token_ids"], output["logprobs"]) for output in phase["outputs"]]
+
+
+def engine_row(model: str, backend: str, directory: Path, device: str) -> Row:
+    """Two engines, one store: the row says whether the second reproduced the first, and its TTFTs."""
+    from tests.vllm_connector.tiny_vllm_models import save_model  # needs transformers: imported on use
+
+    settings = MODELS[model]
+    length = settings["prompt"]
+    work = directory / f"{model}-{backend}"
+    work.mkdir(parents=True)
+    job: dict[str, Any] = {"model": str(save_model(model, work / "model")), "dtype": settings["dtype"],
+                           "attention_backend": backend, "max_num_batched_tokens": 2048}
+    if "mamba_ssm_cache_dtype" in settings:
+        job["mamba_ssm_cache_dtype"] = settings["mamba_ssm_cache_dtype"]
+    x, y, z = _prompt(1, length), _prompt(2, length), _prompt(3, length)
+    hybrid = "chunk" not in settings
+    name = f"vLLM {model} on {backend}"
+    try:
+        # The hybrid's block size is vLLM's to choose: learn it from an engine without the connector.
+        chunk = settings.get("chunk") or _run({**job, "connector": None, "phases": [
+            {"requests": _prompt(0, 32), "max_tokens": 1}]}, work, "probe", device)[0]["block_size"]
+        connector = {"store": f"file://{work}/kv", "chunk_size": chunk}
+        # A hybrid's states are saved where a step ends on a chunk boundary: steps of one chunk.
+        steps = {"max_num_batched_tokens": chunk} if hybrid else {}
+        first = _run({**job, **steps, "connector": connector, "phases": [
+            {"requests": _prompt(0, 32), "max_tokens": 1, "kv_transfer_params": OFF},  # warm-up
+            {"requests": x, "kv_transfer_params": OFF},
+            {"requests": x}, {"requests": y, "max_tokens": 1},
+        ]}, work, "first", device)
+        second = _run({**job, **steps, "connector": connector, "prefix_caching": not hybrid, "phases": [
+            {"requests": _prompt(0, 32), "max_tokens": 1, "kv_transfer_params": OFF},
+            {"requests": x}, {"requests": y, "max_tokens": 1}, {"requests": y, "max_tokens": 1},
+            {"requests": z, "max_tokens": 1, "kv_transfer_params": OFF},
+        ]}, work, "second", device)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as error:
+        return name, "reuse from a second process", f"NO: {error}"
+    expected = (length - 1) // chunk * chunk  # whole chunks, never the last prompt token
+    cached = second[1]["outputs"][0]["num_cached_tokens"]
+    same = _outputs(second[1]) == _outputs(first[1])
+    milliseconds = [phase["seconds"] * 1000 for phase in second[2:5]]
+    again = "store hit again" if hybrid else "vLLM prefix cache"
+    verdict = "same tokens and logprobs" if same and cached == expected else (
+        f"NO: {'tokens or logprobs DIFFER' if not same else 'same output'}, {cached} of {expected} tokens cached")
+    return (name, f"reuse from a 2nd process, chunk {chunk}; TTFT of {length} tokens",
+            f"{verdict}; store hit {milliseconds[0]:.1f} ms, {again} {milliseconds[1]:.1f} ms, "
+            f"computed {milliseconds[2]:.1f} ms")
+
+
+def engine_rows(device: str, backends: tuple[str, ...], models: tuple[str, ...] = tuple(MODELS)) -> list[Row]:
+    with tempfile.TemporaryDirectory() as directory:
+        return [engine_row(model, backend, Path(directory), device) for model in models for backend in backends]
