@@ -3,13 +3,13 @@
 ``python -m tests.vllm_connector.engine_runner JOB.json`` where the job is ``{"model": dir,
 "dtype": ..., "connector": extra_config or null, "phases": [{"requests": [{"prompt_token_ids":
 [...], "cache_salt": ...}], "before": {"stop_pid": pid}, "max_tokens": n, "kv_transfer_params": {...}
-(each optional)}],
-"out": path, "store_dir": dir (optional)}``. Greedy, with logprobs, vLLM's prefix cache off unless
-``"prefix_caching": true``. With ``store_dir`` (a file store), each phase's result lists the keys
-the store holds after it, its saves written. Optional: ``"attention_backend"`` (a vLLM backend
-name), ``"mamba_ssm_cache_dtype"``, and ``"cpu_attention_kernels": "vec"``, which keeps vLLM's CPU
-attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a bfloat16
-job runs the same kernels on every x86 CPU.
+(each optional)}], "out": path, "store_dir": dir (optional)}``. Greedy, with logprobs, vLLM's
+prefix cache off unless ``"prefix_caching": true``. With ``store_dir`` (a file store), each phase's
+result lists the keys the store holds after it, its saves written. Optional: ``"attention_backend"``
+(a vLLM backend name), ``"kv_events"`` (``{"endpoint": ..., "topic": ...}``: KV events published
+over ZMQ), ``"mamba_ssm_cache_dtype"``, and ``"cpu_attention_kernels": "vec"``, which keeps vLLM's
+CPU attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a
+bfloat16 job runs the same kernels on every x86 CPU.
 
 One engine per process, as deployments run them: vLLM 0.32 cannot build a second engine in a
 process that has loaded llvmlite (numba's compiler, which the connector's CPU kernel uses): its
@@ -37,6 +37,10 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
             kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=connector, kv_load_failure_policy="recompute",
         )
+    if "kv_events" in job:  # {"endpoint": ..., "topic": ...}: vLLM publishes its KV events over ZMQ there
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **job["kv_events"])
     if "attention_backend" in job:
         extra["attention_config"] = {"backend": job["attention_backend"]}
     return LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),

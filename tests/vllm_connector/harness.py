@@ -8,6 +8,7 @@ group at a time), each layer a ``[num_blocks, num_heads, block_size, 2 * head_si
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -101,7 +103,7 @@ def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, nu
 
 def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
                 role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False,
-                tp: int = 1) -> VllmConfig:
+                tp: int = 1, kv_events: bool = False) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_MODEL_LEN,
                                 enable_chunked_prefill=True, is_encoder_decoder=False,
@@ -112,8 +114,11 @@ def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16,
         cache.mamba_cache_mode = mamba_mode
     transfer = KVTransferConfig(kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
                                 kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    # KV events on: vLLM's scheduler publishes them (a test replaces the publisher's publish to read them).
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, kv_transfer_config=transfer,
-                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                      kv_events_config=events)
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -189,13 +194,18 @@ class SchedulerHarness:
                 step.failed_loads |= failed
                 step.invalid_blocks |= each.side.take_load_errors()
             step.finished_loads = set.intersection(*finished)
+            # The entries each rank wrote or deleted (build_connector_worker_meta), aggregated as vLLM does.
+            reports = [report for each in workers if each.side.reports is not None
+                       and (report := each.side.reports.take()) is not None]
+            worker_meta = functools.reduce(lambda one, other: one.aggregate(other), reports) if reports else None
             worker = workers[0]
             # What the worker's connector hands vLLM each step (KVGroupsConnector.get_kv_connector_stats).
             stats = worker.side.stats.take() if worker.side.stats is not None else None
             connector_output = KVConnectorOutput(finished_recving=step.finished_loads or None,
                                                  failed_recving=step.failed_loads,
                                                  invalid_block_ids=step.invalid_blocks,
-                                                 kv_connector_stats=KVGroupsConnectorStats(stats) if stats else None)
+                                                 kv_connector_stats=KVGroupsConnectorStats(stats) if stats else None,
+                                                 kv_connector_worker_meta=worker_meta)
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in ids:

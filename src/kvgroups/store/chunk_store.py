@@ -143,10 +143,9 @@ class KVChunkStore:
         """Save chunk ``chunk_index`` of ``token_ids``: one tensor per group, in the background.
 
         Token groups give the chunk's tokens as ``pack`` returns them (``group.chunk_shape(chunk_size)``);
-        recurrent groups their state *after* the chunk (``[1, num_layers, 1, state_elements]``). The
-        tensors are written later: do not modify them afterwards (chunks from ``KVTransfer.pack``
-        without ``out=`` are safe). ``keys``, from :meth:`keys` of the same tokens, saves hashing them
-        again. Wrong shapes raise; a store that fails is logged.
+        recurrent groups their state *after* the chunk (``[1, num_layers, 1, state_elements]``). The tensors
+        are written later: do not modify them afterwards (chunks from ``KVTransfer.pack`` without ``out=``
+        are safe). ``keys``, from :meth:`keys` of the same tokens, saves hashing them again. Wrong shapes raise.
         """
         if keys is None:
             keys = self.keys(token_ids[: (chunk_index + 1) * self.chunk_size])
@@ -159,15 +158,15 @@ class KVChunkStore:
         self.save_chunk(keys[chunk_index], chunk_index, dict(enumerate(tensors)))
 
     def save_chunk(self, key: str, chunk_index: int, tensors: Mapping[int, torch.Tensor], *,
-                   release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None) -> bool:
+                   release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None,
+                   written: Callable[[list[str]], None] | None = None) -> bool:
         """Save the entries of some groups (``group index -> tensor``) of the chunk whose prefix key is
         ``key``; whether the save was queued (False: dropped and counted, the store being backed off
-        or the writer's queue full).
-
-        What :meth:`save` does for every group; a caller that has only some groups' data for a
-        chunk (a sliding window that moved on, a state that is not at this boundary) saves those,
+        or the writer's queue full). What :meth:`save` does for every group; a caller with only some
+        groups' data for a chunk (a window that moved on, a state not at this boundary) saves those,
         and lookups treat the others as missing. ``release`` is called once the tensors are no longer
-        needed (written, failed or dropped); ``ready`` before they are read (waits for the copy filling them).
+        needed (written, failed or dropped); ``ready`` before they are read (waits for the copy filling
+        them); ``written`` with the entry keys once they are written (never for a dropped or failed save).
         """
         int_at_least("chunk_index", chunk_index, 0)
         bad_groups = [index for index in tensors if not (isinstance(index, int) and 0 <= index < len(self.groups))]
@@ -179,7 +178,7 @@ class KVChunkStore:
             check_tensor(tensors[info.group_index], info)
         available = self._backoff.available()
         queued = bool(infos) and available and self._writer.submit(
-            lambda: self._write(tensors, infos, release, ready), sum(info.tensor_bytes for info in infos))
+            lambda: self._write(tensors, infos, release, ready, written), sum(info.tensor_bytes for info in infos))
         if not queued:
             if infos:
                 self.stats.dropped("queue_full" if available else "backed_off")
@@ -190,8 +189,8 @@ class KVChunkStore:
                 release()
         return queued
 
-    def _write(self, tensors: Mapping[int, torch.Tensor], infos: list[EntryInfo],
-               release: Callable[[], None] | None, ready: Callable[[], None] | None) -> None:
+    def _write(self, tensors: Mapping[int, torch.Tensor], infos: list[EntryInfo], release: Callable[[], None] | None,
+               ready: Callable[[], None] | None, written: Callable[[list[str]], None] | None) -> None:
         begin = time.perf_counter()
         try:
             if ready is not None:
@@ -211,6 +210,8 @@ class KVChunkStore:
                 self.store.record_error(error)
             raise
         self.stats.saved(sum(len(value) for _, value in values), time.perf_counter() - begin)
+        if written is not None:
+            written([key for key, _ in values])
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every save so far is written (or has failed and been logged), up to ``timeout``
@@ -329,8 +330,7 @@ class KVChunkStore:
         self.store.record_error(error)
         self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
                           self.store.url, self.stats.corrupt_entries, error)
-        # If the delete fails it stays unusable all the same: every read checks it again.
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # a failed delete leaves it unusable all the same: reads check it
             self.store.delete(info.key)
 
     # --- lifetime -------------------------------------------------------------------------

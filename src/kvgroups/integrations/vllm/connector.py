@@ -13,14 +13,17 @@ hooks do nothing: every layer, attention or recurrent, is moved at once per requ
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -68,7 +71,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.deployment)
+            self._scheduler = SchedulerSide(self.deployment, kv_cache_config)
             self._warn_about_failures(policy)
         else:
             self._worker = WorkerSide(self.deployment, _tensor_parallel_rank())
@@ -145,6 +148,11 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         # A failed load is reported finished too: vLLM then recomputes the request and frees its blocks.
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The entries this worker wrote or deleted since the last step, for the scheduler's KV events."""
+        reports = self._worker.reports if self._worker is not None else None
+        return reports.take() if reports is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -170,9 +178,12 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        failed = getattr(connector_output, "failed_recving", None)
-        if failed:
-            self._scheduler_side().loads_failed(set(failed))
+        self._scheduler_side().update(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What the store came to hold (or lost) since the last call, as vLLM's KV events (docs/vllm.md)."""
+        events = self._scheduler.events if self._scheduler is not None else None
+        return events.take() if events is not None else ()
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)

@@ -50,6 +50,8 @@ class Deployment:
         # asynchronously, whose failures are per request.
         self.num_engine_groups = len(kv_cache_config.kv_cache_groups)
         self.load_asynchronously = self.settings.load_mode == "async" or self.num_engine_groups > 1
+        # vLLM publishes KV events (--kv-events-config): the connector adds what the store holds.
+        self.kv_events = bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False))
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
         # A recurrent group is served only where its state has one block per request, updated in

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.events import StoreEvents
 from kvgroups.integrations.vllm.lookups import Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
 from kvgroups.integrations.vllm.stats import StatsReporter
@@ -61,7 +62,7 @@ class _RequestState:
 class SchedulerSide:
     """Lookups against every rank's chunks, load and save plans, per-request state."""
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(self, deployment: Deployment, kv_cache_config: Any = None) -> None:
         self.deployment = deployment
         self.chunk_size = deployment.settings.chunk_size
         self.store = open_store(list(deployment.settings.stores))
@@ -75,14 +76,19 @@ class SchedulerSide:
         self.asynchronous = deployment.load_asynchronously
         self.lookups = Lookups(background=not all_tiers_local(deployment.settings.stores))
         self._async_loads: list[str] = []  # requests whose asynchronous load the next plan starts
+        self._sync_loads: list[str] = []  # requests whose synchronous load the last plan ran
+        self._sync_load_failed = False  # whether a block failed to load in the step last reported
         self._tier_names = [tier.tier_name for tier in self.store.tiers]  # fastest first
         # vLLM's log line and /metrics get the lookups of rank 0's chunks (every rank is asked the same).
         self.stats = StatsReporter(self.rank_stores[0].stats)
+        self.events = StoreEvents(deployment, self.rank_stores, kv_cache_config) if deployment.kv_events else None
         if deployment.unservable:
             logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
+        if self.events is not None:
+            self.events.bind_block_pool(getattr(kv_cache_manager, "block_pool", None))
 
     # --- lookups ----------------------------------------------------------------------------
     def _state_of(self, request: Any) -> _RequestState | None:
@@ -168,6 +174,11 @@ class SchedulerSide:
                 continue
             metadata.loads.append(self._load_plan(request_id, state, self._block_ids(request_id), asynchronous=True))
         self._async_loads.clear()
+        # Synchronous loads ran in the step just reported: a failed one turned into invalid blocks.
+        for request_id in self._sync_loads:
+            if self.events is not None:
+                self.events.load_done(request_id, succeeded=not self._sync_load_failed)
+        self._sync_loads, self._sync_load_failed = [], False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
@@ -178,6 +189,7 @@ class SchedulerSide:
             if state.load is not None:
                 block_ids = self._block_ids(request_id)
                 metadata.loads.append(self._load_plan(request_id, state, block_ids, asynchronous=False))
+                self._sync_loads.append(request_id)
             if not self.deployment.is_producer or not state.may_save:
                 continue
             end = min(start + int(num_scheduled), len(state.tokens))
@@ -188,13 +200,27 @@ class SchedulerSide:
             if not chunks:
                 continue
             state.planned.update(chunks)
-            metadata.saves.append(SavePlan(
+            metadata.saves.append(plan := SavePlan(
                 request_id=request_id,
                 token_bytes=token_bytes(state.tokens[: (chunks[-1] + 1) * self.chunk_size]),
                 request_salt=state.salt, chunks=chunks, step_end=start + int(num_scheduled),
                 block_ids=block_ids or self._block_ids(request_id),
             ))
+            if self.events is not None:
+                self.events.saving(state.request, plan)
+        if self.events is not None:
+            for load in metadata.loads:
+                self.events.loading(self._requests[load.request_id].request, load)
         return metadata
+
+    def update(self, connector_output: Any) -> None:
+        """A step's results: failed loads are not offered the store again; events learn what was written."""
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed:
+            self.loads_failed(set(failed))
+        self._sync_load_failed |= bool(getattr(connector_output, "invalid_block_ids", None))
+        if self.events is not None:
+            self.events.update(connector_output)
 
     @staticmethod
     def _load_plan(request_id: str, state: _RequestState, block_ids: tuple[tuple[int, ...], ...], *,
@@ -213,6 +239,8 @@ class SchedulerSide:
         load still running holds them through vLLM until the worker reports it)."""
         self._requests.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
+        if self.events is not None and request.request_id not in self._sync_loads:
+            self.events.forget(request.request_id)
         return False, None
 
     def close(self) -> None:

@@ -42,6 +42,7 @@ from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import EngineGroup
+from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, state_block
 from kvgroups.integrations.vllm.stats import StatsReporter
@@ -75,20 +76,24 @@ class WorkerSide:
         self._sync_buffers: ReadBuffers | None = None
         self.shared_store: KVChunkStore | None = None  # rank 0's entries, on the other ranks
         self.shared_reader: EntryReader | None = None
+        # The entries written and deleted, for the scheduler's KV events (only where vLLM publishes them).
+        self.reports = EntryReports() if deployment.kv_events else None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self._registered = dict(kv_caches)
         metadata = self._bind(self._registered)
         settings = self.deployment.settings
-        self.store = KVChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
-                                  encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
+        self.store = ReportingChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
+                                         encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
+        self.store.reports = self.reports
         self.reader = EntryReader(self.store)
         self.stats = StatsReporter(self.store.stats)
         self.loads = BackgroundLoads(self._read_buffers)
         if self.rank and self.deployment.shared_groups:  # what every rank holds alike is read under rank 0's keys
-            self.shared_store = KVChunkStore(self.deployment.metadata(0, self.deployment.groups, "worker"),
-                                             self.store.store, salt=settings.salt, secret=settings.secret,
-                                             encrypt=settings.encrypt)
+            self.shared_store = ReportingChunkStore(self.deployment.metadata(0, self.deployment.groups, "worker"),
+                                                    self.store.store, salt=settings.salt, secret=settings.secret,
+                                                    encrypt=settings.encrypt)
+            self.shared_store.reports = self.reports
             self.shared_reader = EntryReader(self.shared_store)
         # Saves queued when the process exits are written first, whether or not vLLM shuts us down.
         atexit.register(self.close)
@@ -303,7 +308,7 @@ class WorkerSide:
                 copies = self.save_stream.record()
             # The writer waits for the copies before it encodes the buffers.
             store.save_chunk(keys[chunk], chunk, tensors, release=partial(self._host_buffers().give_back, buffers),
-                             ready=copies.synchronize)
+                             ready=copies.synchronize, written=self.reports.written if self.reports else None)
 
     # --- helpers ----------------------------------------------------------------------------
     def _host_buffers(self) -> HostBufferPool:

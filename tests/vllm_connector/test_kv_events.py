@@ -1,0 +1,125 @@
+"""KV events: the store's contents as vLLM's BlockStored / BlockRemoved, through vLLM's real Scheduler.
+
+Each engine runs vLLM's Scheduler with KV events on and its prefix cache on, so that the events vLLM
+publishes for its own blocks (medium GPU) sit beside the connector's (medium DISK, a file store) in
+the same batches; fake workers write and read a real file store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvgroups.store import FileStore
+from tests.vllm_connector.harness import FakeWorker, SchedulerHarness, cache_config, prompt, vllm_config
+
+CHUNK, BLOCK, WINDOW = 32, 16, 32
+KINDS = ["sliding", "full"]  # vLLM groups 0 and 1
+
+
+def engine(model_dir: Path, extra: dict[str, Any], seed: int) -> tuple[SchedulerHarness, FakeWorker, list[Any]]:
+    kv = cache_config(KINDS, block_size=BLOCK, window=WINDOW)
+    config = vllm_config(model_dir, extra, kv_events=True, prefix_caching=True)
+    harness = SchedulerHarness(config, kv)
+    published: list[Any] = []
+    harness.scheduler.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+    return harness, FakeWorker(config, kv, seed=seed), published
+
+
+def store_events(published: list[Any]) -> list[Any]:
+    return [event for batch in published for event in batch.events if getattr(event, "medium", None) == "DISK"]
+
+
+def vllms_own(published: list[Any], group: int) -> list[BlockStored]:
+    return [event for batch in published for event in batch.events
+            if isinstance(event, BlockStored) and event.medium != "DISK" and event.group_idx == group]
+
+
+def serve(harness: SchedulerHarness, worker: FakeWorker, request_id: str, tokens: list[int]) -> Any:
+    request = harness.add(request_id, tokens)
+    harness.run(worker)  # then every save is written: the next step reports it
+    harness.step(worker)
+    return request
+
+
+def extra(tmp_path: Path, **settings: Any) -> dict[str, Any]:
+    return {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK, **settings}
+
+
+def test_written_chunks_are_announced_with_vllms_own_block_hashes(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    harness, worker, published = engine(gemma3_dir, extra(tmp_path), seed=0)
+    request = serve(harness, worker, "fill", tokens)
+    hashes = [maybe_convert_block_hash(block_hash) for block_hash in request.block_hashes]
+    ours = store_events(published)
+    # Each group's 3 chunks (the prompt ran in one step: the sliding group held all of it then).
+    assert sorted((event.group_idx, event.block_hashes[0]) for event in ours) == sorted(
+        (group, hashes[block]) for group in (0, 1) for block in (0, 2, 4))
+    for event in ours:
+        first = hashes.index(event.block_hashes[0])
+        assert isinstance(event, BlockStored)
+        assert event.block_hashes == hashes[first:first + 2] and event.block_size == BLOCK
+        assert event.parent_block_hash == (hashes[first - 1] if first else None)
+        assert event.token_ids == tokens[first * BLOCK:(first + 2) * BLOCK]
+        (own,) = vllms_own(published, event.group_idx)  # vLLM's own event of the group's 6 blocks agrees
+        assert own.block_hashes[first:first + 2] == event.block_hashes
+        assert own.token_ids[first * BLOCK:(first + 2) * BLOCK] == event.token_ids
+        assert (event.lora_id, event.lora_name) == (own.lora_id, own.lora_name) == (None, None)
+        assert event.extra_keys == own.extra_keys[first:first + 2] == [None, None]
+        assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (
+            own.kv_cache_spec_kind, own.kv_cache_spec_sliding_window)
+    assert {event.kv_cache_spec_kind for event in ours} == {"sliding_window", "full_attention"}
+    full = [hash_ for event in vllms_own(published, 1) for hash_ in event.block_hashes]
+    assert full == hashes[:6]  # vLLM's own hashes of the 96 tokens the store announced for the full group
+    harness.step(worker)
+    assert len(store_events(published)) == 6  # each announced once
+
+
+def test_a_dropped_save_is_never_announced(gemma3_dir: Path, tmp_path: Path) -> None:
+    harness, worker, published = engine(gemma3_dir, extra(tmp_path, max_pending_bytes=1), seed=0)
+    serve(harness, worker, "fill", prompt(100))
+    assert vllms_own(published, 1) and not store_events(published)
+
+
+def test_loads_are_announced_and_a_corrupt_entry_removed(gemma3_dir: Path, tmp_path: Path) -> None:
+    tokens = prompt(100)
+    harness, first, _ = engine(gemma3_dir, extra(tmp_path), seed=0)
+    request = serve(harness, first, "fill", tokens)
+    hashes = [maybe_convert_block_hash(block_hash) for block_hash in request.block_hashes]
+    # A second engine on the same store announces what it loads, once it is loaded (of the sliding
+    # group, the last chunk: the window needs no more).
+    harness, second, published = engine(gemma3_dir, extra(tmp_path), seed=1)
+    harness.add("reuse", tokens)
+    _, computed, load = harness.admit(second, "reuse")
+    assert computed == 96 and load.asynchronous
+    harness.step(second)
+    assert sorted((event.group_idx, tuple(event.block_hashes)) for event in store_events(published)) == sorted(
+        [(1, tuple(hashes[0:2])), (1, tuple(hashes[2:4])), (1, tuple(hashes[4:6])), (0, tuple(hashes[4:6]))])
+    # An entry damaged: the next engine's load finds it corrupt, deletes it, and says so.
+    keys = first.side.store.keys(np.asarray(tokens, dtype=np.uint32), request_salt=load.request_salt)
+    store = FileStore(f"{tmp_path}/kv")
+    damaged = bytearray(store.get(f"{keys[1]}.g1") or b"")
+    damaged[len(damaged) // 2] ^= 0x01
+    store.put(f"{keys[1]}.g1", bytes(damaged))
+    harness, third, published = engine(gemma3_dir, extra(tmp_path), seed=2)
+    harness.add("damaged", tokens)
+    steps, computed, _ = harness.admit(third, "damaged")
+    assert any(step.failed_loads == {"damaged"} for step in steps)
+    harness.step(third)
+    (removed,) = store_events(published)
+    assert isinstance(removed, BlockRemoved)
+    assert (removed.block_hashes, removed.group_idx) == (hashes[2:4], 1)
+    assert store.get(f"{keys[1]}.g1") is None
+
+
+def test_without_kv_events_nothing_is_tracked(gemma3_dir: Path, tmp_path: Path) -> None:
+    kv = cache_config(KINDS, block_size=BLOCK, window=WINDOW)
+    config = vllm_config(gemma3_dir, extra(tmp_path))
+    harness, worker = SchedulerHarness(config, kv), FakeWorker(config, kv, seed=0)
+    serve(harness, worker, "fill", prompt(100))
+    assert harness.connector._scheduler.events is None and worker.side.reports is None
+    assert list(harness.connector.take_events()) == []
