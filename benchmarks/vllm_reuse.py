@@ -84,13 +84,17 @@ class Probe:
         return int(fields["rchar"])
 
 
-def engine_run(model: str, store: str | None, rounds: int, out: str, extra_config: dict[str, Any]) -> None:
+def engine_run(model: str, store: str | None, rounds: int, out: str, extra_config: dict[str, Any],
+               kv_events: str | None = None) -> None:
     """In a fresh process: one engine (with the connector when ``store``), its measurements as JSON."""
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     probe = Probe() if store is not None else None
     extra: dict[str, Any] = {}
+    if kv_events is not None:  # vLLM publishes its KV events (the connector's too) over ZMQ there
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events,
+                                                   topic="kv")
     if store is not None:
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
@@ -163,10 +167,12 @@ def engine_run(model: str, store: str | None, rounds: int, out: str, extra_confi
 
 
 def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str,
-          extra_config: dict[str, Any]) -> dict[str, Any]:
+          extra_config: dict[str, Any], kv_events: bool = False) -> dict[str, Any]:
     out = directory / f"{name}.json"
     command = [sys.executable, __file__, "--engine", "--model", model, "--rounds", str(rounds), "--out", str(out),
                "--extra-config", json.dumps(extra_config)]
+    if kv_events:
+        command += ["--kv-events", f"ipc://{directory}/{name}-kv-events"]
     if store is not None:
         command += ["--store", store]
     source = str(Path(__file__).resolve().parents[1] / "src")
@@ -236,9 +242,11 @@ def main() -> None:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--extra-config", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--kv-events", nargs="?", const="on", default=None,
+                        help="the connector's engine publishes vLLM's KV events (over ZMQ, to a socket nobody reads)")
     args = parser.parse_args()
     if args.engine:
-        engine_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config))
+        engine_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config), args.kv_events)
         return
     from models import save_llama_like
 
@@ -250,7 +258,7 @@ def main() -> None:
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
         connector = spawn(str(model), f"file://{directory}/kv", args.rounds, directory, "connector",
-                          {"load_mode": args.load_mode})
+                          {"load_mode": args.load_mode}, kv_events=args.kv_events is not None)
         plain = spawn(str(model), None, args.rounds, directory, "plain", {})
     report(connector, plain, args.rounds)
 

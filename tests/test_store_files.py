@@ -230,3 +230,21 @@ def test_the_budget_holds_across_processes(tmp_path: Path) -> None:
     store._enforce_budget()
     assert store.stats().bytes <= 8 << 20
     assert store.contains("last") and store.contains("b-11") and not store.contains("a-0")
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_a_tier_tells_its_eviction_listener_every_key_it_evicts(tier: str, tmp_path: Path) -> None:
+    """What a tier drops on its own (its budget) is told, key by key, to whoever listens (the vLLM
+    connector announces those blocks removed); the keys it keeps are not."""
+    from kvgroups.store import MemoryStore
+
+    store = MemoryStore(4096) if tier == "memory" else FileStore(tmp_path / "files", max_bytes=4096)
+    heard: list[str] = []
+    store.eviction_listener = heard.extend
+    for index in range(12):
+        store.put(f"key-{index}", bytes(1000))
+    kept = set(store.iter_keys())
+    assert heard and len(heard) == len(set(heard)) == store.evictions == 12 - len(kept)
+    assert set(heard) | kept == {f"key-{index}" for index in range(12)} and not set(heard) & kept
+    if tier == "memory":
+        assert heard[0] == "key-0"  # least recently used first (the file tier's recency is a file time)

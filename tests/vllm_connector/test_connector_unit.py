@@ -478,6 +478,26 @@ def test_amx_pages_are_planned_where_vllm_picks_its_amx_kernels_and_restored_byt
                 assert torch.equal(new.view(torch.uint8), old.view(torch.uint8)), (name, block)
 
 
+def test_after_a_prefix_cache_reset_nothing_stored_before_is_served(gemma3_dir: Path, tmp_path: Path) -> None:
+    """After a weight update vLLM calls reset_prefix_cache(reset_connector=True): what the store holds may
+    come from the old weights, so the server never serves it again; what it stores after is served."""
+    tokens, extra = prompt(100), file_store(tmp_path)
+    fill(gemma3_dir, extra, ["sliding", "full"], tokens)
+    harness, worker = fresh(gemma3_dir, extra, ["sliding", "full"])
+    harness.add("before", tokens)
+    assert harness.admit(worker, "before")[1] == 96
+    harness.run(worker)
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True)
+    harness.add("after", tokens)
+    assert harness.admit(worker, "after")[1] == 0  # computed, and saved under the new keys
+    harness.run(worker)
+    harness.add("again", tokens)
+    assert harness.admit(worker, "again")[1] == 96
+    other, stranger = fresh(gemma3_dir, extra, ["sliding", "full"])  # another server: the old keys still
+    other.add("elsewhere", tokens)
+    assert other.admit(stranger, "elsewhere")[1] == 96
+
+
 def test_diff_kv_pages_are_refused_where_no_backend_writes_them(gemma3_dir: Path, tmp_path: Path) -> None:
     config = vllm_config(gemma3_dir, file_store(tmp_path))
     refused = (r"layer 'model.layers.0.attn' \(FullAttentionSpec\): values of 24 elements per head differ from keys of "

@@ -123,3 +123,21 @@ def test_without_kv_events_nothing_is_tracked(gemma3_dir: Path, tmp_path: Path) 
     serve(harness, worker, "fill", prompt(100))
     assert harness.connector._scheduler.events is None and worker.side.reports is None
     assert list(harness.connector.take_events()) == []
+
+
+def test_entries_the_store_evicts_are_announced_removed(gemma3_dir: Path, tmp_path: Path) -> None:
+    """A file tier of about 1.5 prompts' entries: the second prompt's saves evict the first's oldest,
+    and exactly those blocks are announced removed (the store no longer holds them)."""
+    from kvgroups.integrations.vllm.plans import request_salt
+
+    harness, worker, published = engine(gemma3_dir, {"store": f"file://{tmp_path}/kv?max_bytes=300000",
+                                                     "chunk_size": CHUNK}, seed=0)
+    first = serve(harness, worker, "first", prompt(100))
+    serve(harness, worker, "second", prompt(100, seed=1))
+    hashes = [maybe_convert_block_hash(block_hash) for block_hash in first.block_hashes]
+    keys = worker.side.store.keys(np.asarray(prompt(100), dtype=np.uint32), request_salt=request_salt(first) or "")
+    store = FileStore(f"{tmp_path}/kv")
+    gone = {(group, tuple(hashes[2 * chunk:2 * chunk + 2])) for chunk in range(3) for group in (0, 1)
+            if store.get(f"{keys[chunk]}.g{group}") is None}  # kvgroups group g is vLLM group g here
+    removed = [event for event in store_events(published) if isinstance(event, BlockRemoved)]
+    assert gone and sorted((event.group_idx, tuple(event.block_hashes)) for event in removed) == sorted(gone)

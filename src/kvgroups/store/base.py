@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -69,6 +69,9 @@ class ByteStore(abc.ABC):
     tier_name = "store"  # the metrics' tier label: memory, file, redis, redis-cluster
     # Whether other deployments may keep their entries here too (a server): clearing it then asks first.
     shared = False
+    # Called with the keys a tier drops on its own (its evictions), on the thread that dropped them,
+    # where the tier can tell (memory and file tiers; a server's evictions are the server's).
+    eviction_listener: Callable[[list[str]], None] | None = None
 
     @property
     def tier_metrics(self) -> TierMetrics:

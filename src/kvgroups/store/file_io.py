@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import StoreError, Value
 
+# An entry file's key is stored after the format's magic, behind its length.
+KEY_LENGTH = struct.Struct("<I")
 # The default budget leaves this share of the filesystem (what is free plus what the store holds) alone.
 _FILESYSTEM_SHARE = 0.9
 
@@ -125,15 +128,40 @@ def remove_stale_temporaries(root: str, prefix: str, stale_seconds: float) -> No
                             os.unlink(entry.path)
 
 
-def evict_least_recent(files: list[tuple[float, int, str]], total: int, target: int) -> tuple[int, int]:
+def stored_key(path: str, magic: bytes) -> str | None:
+    """The key an entry file holds (it starts with ``magic``, the key's length, the key); None when the
+    file is gone or is not an entry."""
+    prefix_bytes = len(magic) + KEY_LENGTH.size
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None  # removed meanwhile
+    try:
+        prefix = os.pread(descriptor, prefix_bytes, 0)
+        if prefix[:len(magic)] != magic or len(prefix) != prefix_bytes:
+            return None  # not ours
+        (length,) = KEY_LENGTH.unpack(prefix[len(magic):])
+        return os.pread(descriptor, min(length, 4096), prefix_bytes).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def evict_least_recent(files: list[tuple[float, int, str]], total: int, target: int,
+                       key_of: Callable[[str], str | None] | None = None) -> tuple[int, int, list[str]]:
     """Remove entry files (``(recency, bytes, path)`` as :func:`scan_entries` lists them), least recently
-    used first, until ``total`` bytes are at most ``target``: (bytes left, files removed)."""
-    removed = 0
+    used first, until ``total`` bytes are at most ``target``: (bytes left, files removed, and with
+    ``key_of`` the keys they held, read before each is removed)."""
+    removed, keys = 0, []
     for _, size, path in sorted(files):
         if total <= target:
             break
+        key = key_of(path) if key_of is not None else None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed += 1
+            if key is not None:
+                keys.append(key)
         total -= size
-    return total, removed
+    return total, removed, keys

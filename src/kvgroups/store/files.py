@@ -18,9 +18,9 @@ import logging
 import os
 import secrets
 import stat
-import struct
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 from kvgroups.core.sizes import GIB
@@ -36,6 +36,7 @@ from kvgroups.store.base import (
     check_value,
 )
 from kvgroups.store.file_io import (
+    KEY_LENGTH,
     default_budget,
     entry_files,
     evict_least_recent,
@@ -43,6 +44,7 @@ from kvgroups.store.file_io import (
     read_exactly,
     remove_stale_temporaries,
     scan_entries,
+    stored_key,
     write_all,
 )
 
@@ -52,7 +54,6 @@ STORE_FORMAT = "kvgroups.file-store/1"
 MARKER = "kvgroups-store.json"
 DEFAULT_MAX_BYTES = 16 * GIB
 _MAGIC = b"KVGFILE1"
-_KEY_LENGTH = struct.Struct("<I")
 _SUFFIX = ".kve"
 _TEMPORARY = ".tmp-"
 # A temporary file this old belongs to a writer that died.
@@ -149,7 +150,7 @@ class FileStore(ByteStore):
     @staticmethod
     def _header(key: str) -> bytes:
         encoded = key.encode("utf-8")
-        return _MAGIC + _KEY_LENGTH.pack(len(encoded)) + encoded
+        return _MAGIC + KEY_LENGTH.pack(len(encoded)) + encoded
 
     def put(self, key: str, value: Value) -> None:
         value = check_value(key, value)
@@ -284,22 +285,10 @@ class FileStore(ByteStore):
             return None
 
     def iter_keys(self) -> Iterator[str]:
-        prefix_bytes = len(_MAGIC) + _KEY_LENGTH.size
         for entry in entry_files(self._root, _SUFFIX):
-            try:
-                descriptor = os.open(entry.path, os.O_RDONLY | _NOFOLLOW)
-            except OSError:
-                continue  # removed meanwhile
-            try:
-                prefix = os.pread(descriptor, prefix_bytes, 0)
-                if prefix[:len(_MAGIC)] != _MAGIC or len(prefix) != prefix_bytes:
-                    continue  # not ours
-                (length,) = _KEY_LENGTH.unpack(prefix[len(_MAGIC):])
-                yield os.pread(descriptor, min(length, 4096), prefix_bytes).decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            finally:
-                os.close(descriptor)
+            key = stored_key(entry.path, _MAGIC)
+            if key is not None:
+                yield key
 
     # --- budget ---------------------------------------------------------------------------
     def _scan(self) -> tuple[list[tuple[float, int, str]], int]:
@@ -314,8 +303,10 @@ class FileStore(ByteStore):
                 fcntl.flock(descriptor, fcntl.LOCK_EX)
                 files, total = self._scan()
                 target = int((total if force else self.max_bytes) * _LOW_WATERMARK)
+                listener, evicted_keys = self.eviction_listener, list[str]()
                 if force or total > self.max_bytes:
-                    total, evicted = evict_least_recent(files, total, target)
+                    key_of = None if listener is None else partial(stored_key, magic=_MAGIC)
+                    total, evicted, evicted_keys = evict_least_recent(files, total, target, key_of)
                     self.evictions += evicted
             finally:
                 os.close(descriptor)
@@ -324,6 +315,8 @@ class FileStore(ByteStore):
         with self._lock:
             self._total = total
             self._puts_since_scan = 0
+        if evicted_keys and listener is not None:
+            listener(evicted_keys)
 
     def gauges(self) -> dict[str, float]:  # no entries: counting them lists the directory
         return {"bytes": float(self._total), "evictions": float(self.evictions)}

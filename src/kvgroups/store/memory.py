@@ -47,6 +47,7 @@ class MemoryStore(ByteStore):
             raise EntryTooLargeError(
                 f"value of {len(value)} bytes for {key!r} exceeds the memory store's budget of {self.max_bytes}"
             )
+        evicted: list[str] = []
         with self._lock:
             old = self._values.pop(key, None)
             if old is not None:
@@ -59,6 +60,10 @@ class MemoryStore(ByteStore):
                     oldest = next(iter(self._values))
                     self._bytes -= len(self._values.pop(oldest))
                     self.evictions += 1
+                    evicted.append(oldest)
+        listener = self.eviction_listener
+        if evicted and listener is not None:
+            listener(evicted)
 
     def gauges(self) -> dict[str, float]:
         return {"entries": float(len(self._values)), "bytes": float(self._bytes), "evictions": float(self.evictions)}

@@ -185,6 +185,11 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         events = self._scheduler.events if self._scheduler is not None else None
         return events.take() if events is not None else ()
 
+    def reset_cache(self) -> bool | None:
+        """After a weight update vLLM resets its prefix cache with the connector's: stored chunks are never
+        served by this server again (see :meth:`SchedulerSide.reset`)."""
+        return self._scheduler.reset() if self._scheduler is not None else None
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)
 

@@ -14,7 +14,8 @@ its KV cache manager and of its connector (``take_events``) from the scheduler. 
   the hash of the chunk's last block).
 - The same for chunks a load restored, the first time this process serves them: a router learns
   every server that can serve a prefix cheaply, whoever stored it.
-- ``BlockRemoved`` for the entries a worker deleted as corrupt, for the chunk's blocks of that group.
+- ``BlockRemoved`` for the entries a worker deleted as corrupt, or its store's last tier (the one the
+  medium names) evicted, for the chunk's blocks of that group.
 
 What no process here can know (another process's deletes, a server's own eviction, a file tier's
 files removed from outside) is never announced; see docs/vllm.md for what a router should do.
@@ -52,6 +53,7 @@ MEDIUM_OF_TIER = {"memory": "CPU", "file": "DISK", "redis": "EXTERNAL", "redis-c
 # oldest forgotten first (a forgotten one is at worst not announced, never announced wrongly).
 MAX_TRACKED = 1 << 16
 _STORED_FIELDS = frozenset(BlockStored.__struct_fields__)
+_LOW_64_BITS = (1 << 64) - 1
 
 
 @dataclass
@@ -82,6 +84,11 @@ class EntryReports:
     def removed(self, key: str) -> None:
         with self._lock:
             self._removed.append(key)
+
+    def evicted(self, keys: list[str]) -> None:
+        """Keys the store's last tier evicted (its eviction listener): their blocks are gone from its medium."""
+        with self._lock:
+            self._removed.extend(keys)
 
     def take(self) -> KVGroupsWorkerEvents | None:
         with self._lock:
@@ -129,8 +136,9 @@ class StoreEvents:
 
     # --- planned ---------------------------------------------------------------------------
     def saving(self, request: Any, plan: SavePlan) -> None:
+        keys = self._keys(plan.tokens, plan.request_salt)
         for chunk in plan.chunks:
-            for event in self._chunk_events(request, plan.tokens, plan.request_salt, chunk):
+            for event in self._chunk_events(request, keys, chunk):
                 for key in event.entries:
                     self._track(self._saving, key, event)
 
@@ -138,10 +146,10 @@ class StoreEvents:
         """A load planned: the chunks it reads, per group (a window needs only its last ones), are
         announced once it succeeded; those vLLM's own prefix cache served are not read."""
         num_chunks = plan.num_tokens // self.chunk_size
-        store = self.rank_stores[0]
+        store, keys = self.rank_stores[0], self._keys(plan.tokens, plan.request_salt)
         self._loading[plan.request_id] = [
             event for chunk in range(plan.local_tokens // self.chunk_size, num_chunks)
-            for event in self._chunk_events(request, plan.tokens, plan.request_salt, chunk)
+            for event in self._chunk_events(request, keys, chunk)
             if any(chunk in store.needed_chunks(member, num_chunks)
                    for member in self.deployment.engine_groups[event.stored.group_idx].members)]
 
@@ -179,6 +187,12 @@ class StoreEvents:
     def forget(self, request_id: str) -> None:
         self._loading.pop(request_id, None)
 
+    def reset(self) -> None:
+        """The server's keys moved to a new generation (vLLM publishes AllBlocksCleared itself)."""
+        self._saving.clear()
+        self._loading.clear()
+        self._announced.clear()
+
     # --- helpers ---------------------------------------------------------------------------
     def _announce(self, event: _Chunk) -> None:
         self._ready.append(event.stored)
@@ -186,7 +200,7 @@ class StoreEvents:
             self._track(self._announced, key, event)
 
     def _remove(self, key: str) -> None:
-        """An entry deleted (corrupt): its chunk's blocks of that group are gone, whoever announced them."""
+        """An entry deleted (corrupt) or evicted: its chunk's blocks of that group are gone, whoever announced them."""
         event = self._announced.pop(key, None) or next(
             (event for events in self._loading.values() for event in events if key in event.entries), None)
         if event is None:
@@ -203,10 +217,13 @@ class StoreEvents:
         while len(table) > MAX_TRACKED:
             table.popitem(last=False)
 
-    def _chunk_events(self, request: Any, tokens: Any, salt: str, chunk: int) -> list[_Chunk]:
+    def _keys(self, tokens: Any, salt: str) -> list[list[str]]:
+        """Every rank's prefix keys of ``tokens``' chunks (the workers compute the same from the plan)."""
+        return [store.keys(tokens, request_salt=salt) for store in self.rank_stores]
+
+    def _chunk_events(self, request: Any, keys_by_rank: list[list[str]], chunk: int) -> list[_Chunk]:
         """Per vLLM group, chunk ``chunk``'s event and the entry keys (every owning rank's) holding it."""
-        keys = [store.keys(tokens[: (chunk + 1) * self.chunk_size], request_salt=salt)[chunk]
-                for store in self.rank_stores]
+        keys = [rank_keys[chunk] for rank_keys in keys_by_rank]
         events = []
         for engine_group in self.deployment.engine_groups:
             entries = tuple(
@@ -233,7 +250,7 @@ class StoreEvents:
         spec = self.specs[group_index]
         lora = getattr(request, "lora_request", None)
         fields: dict[str, Any] = {
-            "block_hashes": [maybe_convert_block_hash(hashes[block]) for block in range(first, end)],
+            "block_hashes": _external_hashes([hashes[block] for block in range(first, end)]),
             "parent_block_hash": maybe_convert_block_hash(hashes[first - 1]) if first else None,
             "token_ids": list(request.all_token_ids[first * block_size:end * block_size]),
             "block_size": block_size, "lora_id": lora.adapter_id if lora else None, "medium": self.medium,
@@ -242,3 +259,15 @@ class StoreEvents:
             "kv_cache_spec_sliding_window": get_kv_cache_spec_sliding_window(spec),
         }
         return BlockStored(**{name: value for name, value in fields.items() if name in _STORED_FIELDS})
+
+
+def _external_hashes(hashes: list[Any]) -> list[Any]:
+    """vLLM's ``maybe_convert_block_hash`` of each hash, asked once per list: it reads an environment
+    variable at every call, which for long prompts was most of what events cost the scheduler. Its
+    answer for the first hash decides (bytes as they are, or their low 64 bits as an int, checked)."""
+    if not hashes:
+        return []
+    first = maybe_convert_block_hash(hashes[0])
+    if not isinstance(first, int) or first != int.from_bytes(hashes[0], "big") & _LOW_64_BITS:
+        return [first, *(maybe_convert_block_hash(block_hash) for block_hash in hashes[1:])]
+    return [first, *(int.from_bytes(block_hash, "big") & _LOW_64_BITS for block_hash in hashes[1:])]

@@ -13,6 +13,7 @@ size, itself a multiple of every attention group's block size.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ class SchedulerSide:
         self._async_loads: list[str] = []  # requests whose asynchronous load the next plan starts
         self._sync_loads: list[str] = []  # requests whose synchronous load the last plan ran
         self._sync_load_failed = False  # whether a block failed to load in the step last reported
+        self._generation = ""  # after a reset (new weights), a salt of this process's own in every key
         self._tier_names = [tier.tier_name for tier in self.store.tiers]  # fastest first
         # vLLM's log line and /metrics get the lookups of rank 0's chunks (every rank is asked the same).
         self.stats = StatsReporter(self.rank_stores[0].stats)
@@ -97,6 +99,7 @@ class SchedulerSide:
             salt = request_salt(request)
             if salt is None:
                 return None
+            salt += self._generation
             may_load, may_save = request_options(request)
             state = _RequestState(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
                                may_load=may_load, may_save=may_save)
@@ -242,6 +245,22 @@ class SchedulerSide:
         if self.events is not None and request.request_id not in self._sync_loads:
             self.events.forget(request.request_id)
         return False, None
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: what the store
+        holds may come from other weights, so this server never serves it again. Its keys move to a
+        new generation, a random salt of this process (never shared: two servers updated alike cost
+        each other hits, never answers), and every request's state and lookup is forgotten."""
+        self._generation = "\0generation " + secrets.token_hex(16)
+        for request_id in self._requests:
+            self.lookups.forget(request_id)
+        self._requests.clear()
+        self._async_loads.clear()
+        self._sync_loads.clear()
+        if self.events is not None:
+            self.events.reset()
+        logger.warning("KVGroupsConnector: prefix cache reset; chunks stored before are not served by this server")
+        return True
 
     def close(self) -> None:
         self.lookups.close()

@@ -86,6 +86,8 @@ class WorkerSide:
         self.store = ReportingChunkStore(metadata, list(settings.stores), salt=settings.salt, secret=settings.secret,
                                          encrypt=settings.encrypt, max_pending_bytes=settings.max_pending_bytes)
         self.store.reports = self.reports
+        if self.reports is not None:  # what the medium's tier evicts is gone from it
+            self.store.store.tiers[-1].eviction_listener = self.reports.evicted
         self.reader = EntryReader(self.store)
         self.stats = StatsReporter(self.store.stats)
         self.loads = BackgroundLoads(self._read_buffers)
