@@ -141,3 +141,27 @@ def test_entries_the_store_evicts_are_announced_removed(gemma3_dir: Path, tmp_pa
             if store.get(f"{keys[chunk]}.g{group}") is None}  # kvgroups group g is vLLM group g here
     removed = [event for event in store_events(published) if isinstance(event, BlockRemoved)]
     assert gone and sorted((event.group_idx, tuple(event.block_hashes)) for event in removed) == sorted(gone)
+
+
+def test_under_tensor_parallelism_a_chunk_is_announced_once_every_rank_wrote_it(gemma3_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Each rank writes its own entries: a chunk's blocks are announced when every rank's are written,
+    never on one rank's word (rank 1's reports held back until the end), and then once."""
+    kv = cache_config(KINDS, block_size=BLOCK, window=WINDOW)
+    config = vllm_config(gemma3_dir, extra(tmp_path), kv_events=True, prefix_caching=True, tp=2)
+    harness = SchedulerHarness(config, kv)
+    published: list[Any] = []
+    harness.scheduler.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+    ranks = (FakeWorker(config, kv, seed=0, rank=0), FakeWorker(config, kv, seed=1, rank=1))
+    reports = ranks[1].side.reports
+    assert reports is not None
+    take = reports.take
+    reports.take = lambda: None  # type: ignore[method-assign]  # rank 1 keeps what it wrote to itself meanwhile
+    harness.add("fill", prompt(100))
+    harness.run(ranks)
+    harness.step(ranks)
+    assert not store_events(published)  # rank 0 wrote everything; rank 1's word has not come
+    reports.take = take  # type: ignore[method-assign]
+    harness.step(ranks)
+    harness.step(ranks)
+    assert sorted(event.group_idx for event in store_events(published)) == [0, 0, 0, 1, 1, 1]
