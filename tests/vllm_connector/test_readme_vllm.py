@@ -49,3 +49,16 @@ def test_the_llm_block(monkeypatch: pytest.MonkeyPatch) -> None:
     exec(compile(block, "docs/vllm.md", "exec"), {"MODEL": "a-model"})
     (engine,) = engines
     assert check(engine["kv_transfer_config"]).stores == ("file:///var/cache/kv", "redis://cache-host:6379/0")
+
+
+def test_the_kv_events_command_line() -> None:
+    """docs/vllm.md's line with KV events: both configs are vLLM's, the connector's settings its own."""
+    from vllm.config import KVEventsConfig
+
+    (block,) = claimed("test_the_kv_events_command_line", "sh")
+    words = shlex.split(block)
+    settings = check(KVTransferConfig(**json.loads(words[words.index("--kv-transfer-config") + 1])))
+    assert settings == ConnectorSettings(stores=("file:///var/cache/kv",), chunk_size=256, salt="")
+    events = KVEventsConfig(**json.loads(words[words.index("--kv-events-config") + 1]))
+    assert (events.enable_kv_cache_events, events.publisher, events.endpoint) == (True, "zmq", "tcp://*:5557")
+    assert events.topic == "kv@$POD_IP@MODEL"  # the shell puts the pod's address there
