@@ -41,26 +41,19 @@ def serve(model_dir: Path, store_dir: Path, events: bool) -> float:
         worker = FakeWorker(config, kv, seed=0)
         for index in range(PROMPTS):
             harness.add(f"{phase}-{index}", prompt(PROMPT_TOKENS, seed=index))
-        schedule, update = harness.scheduler.schedule, harness.scheduler.update_from_output
+        def timed(inner: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal spent
+                begin = time.perf_counter()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    spent += time.perf_counter() - begin
+            return call
 
-        def timed_schedule(*args: Any, _inner: Any = schedule, **kwargs: Any) -> Any:
-            nonlocal spent
-            begin = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                spent += time.perf_counter() - begin
-
-        def timed_update(*args: Any, _inner: Any = update, **kwargs: Any) -> Any:
-            nonlocal spent
-            begin = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                spent += time.perf_counter() - begin
-
-        harness.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
-        harness.scheduler.update_from_output = timed_update  # type: ignore[method-assign]
+        harness.scheduler.schedule = timed(harness.scheduler.schedule)  # type: ignore[method-assign]
+        harness.scheduler.update_from_output = timed(  # type: ignore[method-assign]
+            harness.scheduler.update_from_output)
         harness.run(worker, max_steps=400)
         harness.step(worker)  # the last writes reported
         worker.side.close()
