@@ -341,10 +341,30 @@ def test_mamba_states_need_a_step_to_end_on_the_boundary(gemma3_dir: Path, tmp_p
 
 def test_bad_settings_are_named(gemma3_dir: Path, tmp_path: Path) -> None:
     kv = cache_config(["sliding", "full"])
-    with pytest.raises(ConnectorConfigError, match=r"chunk_size 40 must be a multiple .*group 0: 16, group 1: 16"):
+    with pytest.raises(ConnectorConfigError, match=r"chunk_size 40 must be a multiple .*group 0: 16, group 1: 16\)"
+                                                   r".*the smallest chunk_size at least as large that works is 48"):
         Deployment(vllm_config(gemma3_dir, {"store": f"file://{tmp_path}", "chunk_size": 40}), kv)
+    with pytest.raises(ConnectorConfigError, match=r"'chunk_size' must be an int >= 1, got 0"):
+        Deployment(vllm_config(gemma3_dir, {"store": f"file://{tmp_path}", "chunk_size": 0}), kv)
     with pytest.raises(ConnectorConfigError, match=r"unknown keys \['chunk'\].*lives in one process"):
         Deployment(vllm_config(gemma3_dir, {"store": "memory://", "chunk": 32}), kv)
+
+
+@pytest.mark.parametrize(("block_sizes", "chunk_size"), [
+    ((16,), 256), ((384,), 384), ((528,), 528), ((96, 16), 288), ((100,), 300),
+])
+def test_without_a_chunk_size_chunks_follow_the_block_sizes_vllm_picked(
+        gemma3_dir: Path, tmp_path: Path, block_sizes: tuple[int, ...], chunk_size: int) -> None:
+    """A hybrid's attention block size is vLLM's choice at start-up (528 tokens for Qwen3.5 on GPUs, 384
+    for a tiny qwen3-next-like model on this CPU): without "chunk_size" a chunk is the smallest multiple of
+    every group's block size that holds at least 256 tokens."""
+    settings = ConnectorSettings.from_extra_config({"store": f"file://{tmp_path}/kv"})
+    assert settings.for_blocks(dict(enumerate(block_sizes))).chunk_size == chunk_size
+    if len(block_sizes) == 1:
+        kv = cache_config(["full"], block_size=block_sizes[0])
+        deployment = Deployment(vllm_config(gemma3_dir, {"store": f"file://{tmp_path}/kv"}), kv)
+        assert deployment.settings.chunk_size == chunk_size
+        assert deployment.metadata(0, deployment.groups, "scheduler").chunk_size == chunk_size
 
 
 def test_a_request_can_opt_out_of_loading_or_saving(gemma3_dir: Path, tmp_path: Path,

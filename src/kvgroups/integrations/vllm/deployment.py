@@ -35,9 +35,8 @@ class Deployment:
         self.world_size = int(parallel.tensor_parallel_size)
         # The platform decides the layout; tests of the other platform's layout pass it.
         self.plan = EnginePlan(kv_cache_config, layout or engine_layout(current_platform.is_cpu()))
-        self.settings.check_block_sizes(
-            {group.index: group.block_size for group in self.plan.engine_groups if group.token_indexed}
-        )
+        self.settings = self.settings.for_blocks(
+            {group.index: group.block_size for group in self.plan.engine_groups if group.token_indexed})
         self.identity = model_identity(vllm_config)
         self.engine_id = transfer.engine_id
         # The groups every rank must register (the worker checks), and each vLLM group's members among them.

@@ -3,7 +3,8 @@
 ``{"store": URL or [URLs], "chunk_size": N, "salt": S, "secret_file": PATH, "encrypt": bool,
 "max_pending_bytes": N, "load_mode": "async" | "sync"}``: where chunks live (a list is a tier
 chain, fastest first), how many tokens a stored chunk holds (a multiple of every attention
-group's block size), the tenant salt that keeps this deployment's keys apart from others', the
+group's block size; without it, the smallest such multiple of at least ``MIN_CHUNK_TOKENS``,
+whatever block sizes vLLM picks at start-up), the tenant salt that keeps this deployment's keys apart from others', the
 file holding the deployment's secret (else ``$KVGROUPS_STORE_SECRET``, else none), whether
 entries are encrypted, the host memory queued saves may hold, and how hits are loaded: in
 background threads while other requests run (``"async"``, the default), or before the forward
@@ -12,9 +13,10 @@ that needs them (``"sync"``).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import vllm
@@ -29,7 +31,10 @@ from kvgroups.store.redis_settings import mask_url
 from kvgroups.store.secret import StoreSecret
 
 KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode")
-DEFAULT_CHUNK_SIZE = 256
+# Without "chunk_size" a chunk is the smallest multiple of every attention group's block size (vLLM
+# picks a hybrid's at start-up, to fit a state in a page) holding at least this many tokens.
+MIN_CHUNK_TOKENS = 256
+FOLLOW_BLOCKS = 0  # chunk_size before it is resolved against vLLM's block sizes: none was given
 LOAD_MODES = ("async", "sync")
 
 
@@ -76,8 +81,8 @@ class ConnectorSettings:
         if in_process:
             problems.append(f"'store' {in_process} lives in one process, but vLLM's scheduler and workers run "
                             f"in different processes: use file:// or redis:// (valkey://)")
-        chunk_size = extra.get("chunk_size", DEFAULT_CHUNK_SIZE)
-        if not is_int_at_least(chunk_size, 1):
+        chunk_size = extra.get("chunk_size", FOLLOW_BLOCKS)
+        if "chunk_size" in extra and not is_int_at_least(chunk_size, 1):
             problems.append(f"'chunk_size' must be an int >= 1, got {chunk_size!r}")
         salt = extra.get("salt", "")
         if not isinstance(salt, str):
@@ -104,15 +109,22 @@ class ConnectorSettings:
         return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt, secret=secret, encrypt=encrypt,
                    max_pending_bytes=pending, load_mode=load_mode)
 
-    def check_block_sizes(self, block_sizes: Mapping[int, int]) -> None:
-        """Raise unless ``chunk_size`` is a multiple of every attention group's block size (group -> size)."""
+    def for_blocks(self, block_sizes: Mapping[int, int]) -> ConnectorSettings:
+        """These settings with the chunk size vLLM's block sizes (attention group -> tokens) allow: the one
+        given, which must be a multiple of each (else raised, with the smallest that would do), or
+        without one the smallest multiple of all of them that holds ``MIN_CHUNK_TOKENS`` tokens."""
+        step = math.lcm(*block_sizes.values()) if block_sizes else 1
+        if self.chunk_size == FOLLOW_BLOCKS:
+            return replace(self, chunk_size=step * -(-MIN_CHUNK_TOKENS // step))
         bad = {group: size for group, size in block_sizes.items() if self.chunk_size % size}
         if bad:
             shown = ", ".join(f"group {group}: {size}" for group, size in sorted(bad.items()))
             raise ConnectorConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of every attention group's block size "
-                f"({shown}); vLLM hands out whole blocks"
+                f"({shown}); vLLM hands out whole blocks: the smallest chunk_size at least as large that works is "
+                f"{step * -(-self.chunk_size // step)}, or leave chunk_size out to follow vLLM's block sizes"
             )
+        return self
 
 
 def _hub_snapshot(name: str, revision: str | None) -> str | None:
