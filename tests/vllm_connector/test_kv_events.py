@@ -171,3 +171,42 @@ def test_under_tensor_parallelism_a_chunk_is_announced_once_every_rank_wrote_it(
     harness.step(ranks)
     harness.step(ranks)
     assert sorted(event.group_idx for event in store_events(published)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_synchronous_load_is_announced_from_its_own_step(gemma3_dir: Path, tmp_path: Path) -> None:
+    """One KV-cache group, loads before the forward: a load that worked is announced with the output of
+    the step it ran in (its request may finish in that step); one that found an entry corrupt is not."""
+    tokens, settings = prompt(100), {"load_mode": "sync"}
+
+    def one_group(seed: int) -> tuple[SchedulerHarness, FakeWorker, list[Any]]:
+        kv = cache_config(["full"], block_size=BLOCK)
+        config = vllm_config(gemma3_dir, extra(tmp_path, **settings), kv_events=True, prefix_caching=True)
+        harness = SchedulerHarness(config, kv)
+        published: list[Any] = []
+        harness.scheduler.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+        return harness, FakeWorker(config, kv, seed=seed), published
+
+    harness, first, _ = one_group(0)
+    request = serve(harness, first, "fill", tokens)
+    hashes = [maybe_convert_block_hash(block_hash) for block_hash in request.block_hashes]
+    harness, second, published = one_group(1)
+    harness.add("reuse", tokens, max_tokens=1)
+    steps, computed, load = harness.admit(second, "reuse")
+    assert computed == 96 and not load.asynchronous and len(steps) == 1  # loaded, computed, finished: one step
+    assert [tuple(event.block_hashes) for event in store_events(published)] == [
+        tuple(hashes[2 * chunk:2 * chunk + 2]) for chunk in range(3)]
+    keys = first.side.store.keys(np.asarray(tokens, dtype=np.uint32), request_salt=load.request_salt)
+    store = FileStore(f"{tmp_path}/kv")
+    damaged = bytearray(store.get(f"{keys[2]}.g0") or b"")
+    damaged[len(damaged) // 2] ^= 0x01
+    store.put(f"{keys[2]}.g0", bytes(damaged))
+    harness, third, published = one_group(2)
+    harness.add("damaged", tokens, max_tokens=1)
+    steps, _, _ = harness.admit(third, "damaged")
+    assert steps[-1].invalid_blocks  # vLLM recomputes the blocks the load left undefined
+    # The step the load failed in announced nothing it read (the recomputed chunks are announced once
+    # they are saved again, in later steps), and the corrupt entry removed.
+    assert not [event for event in store_events(published) if isinstance(event, BlockStored)]
+    harness.step(third)
+    (removed,) = [event for event in store_events(published) if isinstance(event, BlockRemoved)]
+    assert removed.block_hashes == hashes[4:6]

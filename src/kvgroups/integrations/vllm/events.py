@@ -128,6 +128,8 @@ class StoreEvents:
         self.medium = MEDIUM_OF_TIER.get(rank_stores[0].store.tiers[-1].tier_name, "STORAGE")
         self._saving: OrderedDict[str, _Chunk] = OrderedDict()  # by each entry key it waits for
         self._loading: dict[str, list[_Chunk]] = {}  # by request id
+        # Requests whose synchronous load runs in this step's forward: its output says how it went.
+        self._loading_now: set[str] = set()
         self._announced: OrderedDict[str, _Chunk] = OrderedDict()  # by entry key
         self._ready: list[KVCacheEvent] = []
 
@@ -152,6 +154,8 @@ class StoreEvents:
             for event in self._chunk_events(request, keys, chunk)
             if any(chunk in store.needed_chunks(member, num_chunks)
                    for member in self.deployment.engine_groups[event.stored.group_idx].members)]
+        if not plan.asynchronous:
+            self._loading_now.add(plan.request_id)
 
     # --- done ------------------------------------------------------------------------------
     def update(self, connector_output: Any) -> None:
@@ -168,32 +172,38 @@ class StoreEvents:
                 self._remove(key)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         for request_id in getattr(connector_output, "finished_recving", None) or ():
-            events = self._loading.pop(request_id, [])
-            if request_id not in failed:
-                for event in events:
-                    if event.entries[0] not in self._announced:  # announced once, whoever stored it
-                        self._announce(event)
-
-    def load_done(self, request_id: str, succeeded: bool) -> None:
-        """A synchronous load ran in the step just reported (vLLM says nothing of its success but its blocks)."""
-        for event in self._loading.pop(request_id, []):
-            if succeeded and event.entries[0] not in self._announced:
-                self._announce(event)
+            self._served(request_id, succeeded=request_id not in failed)
+        # This step's synchronous loads ran before its forward; vLLM says nothing of them but the
+        # blocks that failed to load (of any of them).
+        failed_blocks = bool(getattr(connector_output, "invalid_block_ids", None))
+        for request_id in self._loading_now:
+            self._served(request_id, succeeded=not failed_blocks)
+        self._loading_now.clear()
 
     def take(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
         return ready
 
     def forget(self, request_id: str) -> None:
-        self._loading.pop(request_id, None)
+        """A request finished: its load will not be reported (unless it ran in this step, whose output
+        vLLM hands over after it frees the step's finished requests)."""
+        if request_id not in self._loading_now:
+            self._loading.pop(request_id, None)
 
     def reset(self) -> None:
         """The server's keys moved to a new generation (vLLM publishes AllBlocksCleared itself)."""
         self._saving.clear()
         self._loading.clear()
+        self._loading_now.clear()
         self._announced.clear()
 
     # --- helpers ---------------------------------------------------------------------------
+    def _served(self, request_id: str, succeeded: bool) -> None:
+        """A request's load ended: what it read is announced if it succeeded, once, whoever stored it."""
+        for event in self._loading.pop(request_id, []):
+            if succeeded and event.entries[0] not in self._announced:
+                self._announce(event)
+
     def _announce(self, event: _Chunk) -> None:
         self._ready.append(event.stored)
         for key in event.entries:

@@ -77,8 +77,6 @@ class SchedulerSide:
         self.asynchronous = deployment.load_asynchronously
         self.lookups = Lookups(background=not all_tiers_local(deployment.settings.stores))
         self._async_loads: list[str] = []  # requests whose asynchronous load the next plan starts
-        self._sync_loads: list[str] = []  # requests whose synchronous load the last plan ran
-        self._sync_load_failed = False  # whether a block failed to load in the step last reported
         self._generation = ""  # after a reset (new weights), a salt of this process's own in every key
         self._tier_names = [tier.tier_name for tier in self.store.tiers]  # fastest first
         # vLLM's log line and /metrics get the lookups of rank 0's chunks (every rank is asked the same).
@@ -177,11 +175,6 @@ class SchedulerSide:
                 continue
             metadata.loads.append(self._load_plan(request_id, state, self._block_ids(request_id), asynchronous=True))
         self._async_loads.clear()
-        # Synchronous loads ran in the step just reported: a failed one turned into invalid blocks.
-        for request_id in self._sync_loads:
-            if self.events is not None:
-                self.events.load_done(request_id, succeeded=not self._sync_load_failed)
-        self._sync_loads, self._sync_load_failed = [], False
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
@@ -192,7 +185,6 @@ class SchedulerSide:
             if state.load is not None:
                 block_ids = self._block_ids(request_id)
                 metadata.loads.append(self._load_plan(request_id, state, block_ids, asynchronous=False))
-                self._sync_loads.append(request_id)
             if not self.deployment.is_producer or not state.may_save:
                 continue
             end = min(start + int(num_scheduled), len(state.tokens))
@@ -221,7 +213,6 @@ class SchedulerSide:
         failed = getattr(connector_output, "failed_recving", None)
         if failed:
             self.loads_failed(set(failed))
-        self._sync_load_failed |= bool(getattr(connector_output, "invalid_block_ids", None))
         if self.events is not None:
             self.events.update(connector_output)
 
@@ -242,7 +233,7 @@ class SchedulerSide:
         load still running holds them through vLLM until the worker reports it)."""
         self._requests.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
-        if self.events is not None and request.request_id not in self._sync_loads:
+        if self.events is not None:
             self.events.forget(request.request_id)
         return False, None
 
@@ -256,7 +247,6 @@ class SchedulerSide:
             self.lookups.forget(request_id)
         self._requests.clear()
         self._async_loads.clear()
-        self._sync_loads.clear()
         if self.events is not None:
             self.events.reset()
         logger.warning("KVGroupsConnector: prefix cache reset; chunks stored before are not served by this server")
