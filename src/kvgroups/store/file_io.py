@@ -16,6 +16,8 @@ from kvgroups.store.base import StoreError, Value
 
 # An entry file's key is stored after the format's magic, behind its length.
 KEY_LENGTH = struct.Struct("<I")
+# How the store opens every file: never through a link, never inherited by a child process.
+NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # The default budget leaves this share of the filesystem (what is free plus what the store holds) alone.
 _FILESYSTEM_SHARE = 0.9
 
@@ -133,7 +135,7 @@ def stored_key(path: str, magic: bytes) -> str | None:
     file is gone or is not an entry."""
     prefix_bytes = len(magic) + KEY_LENGTH.size
     try:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        descriptor = os.open(path, os.O_RDONLY | NOFOLLOW)
     except OSError:
         return None  # removed meanwhile
     try:

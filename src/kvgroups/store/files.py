@@ -37,6 +37,7 @@ from kvgroups.store.base import (
 )
 from kvgroups.store.file_io import (
     KEY_LENGTH,
+    NOFOLLOW,
     default_budget,
     entry_files,
     evict_least_recent,
@@ -63,7 +64,6 @@ _LOW_WATERMARK = 0.9
 # Other processes' writes are seen at the latest after this many of our own puts.
 _RESCAN_EVERY = 256
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 class FileStore(ByteStore):
@@ -107,7 +107,7 @@ class FileStore(ByteStore):
                     f"use an empty directory or one kvgroups created"
                 )
             temporary = f"{_TEMPORARY}{os.getpid()}-{secrets.token_hex(4)}"
-            descriptor = os.open(self.directory / temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            descriptor = os.open(self.directory / temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
             try:
                 write_all(descriptor, [json.dumps({"format": STORE_FORMAT}).encode("utf-8")])
             finally:
@@ -134,7 +134,7 @@ class FileStore(ByteStore):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
         try:
-            descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+            descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as error:  # ELOOP, ENOTDIR: a symlink or a file where a shard should be
@@ -189,7 +189,7 @@ class FileStore(ByteStore):
             raise StoreError(f"{self._root}/{shard} vanished while writing")
         temporary = f"{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
         try:
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=directory)
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600, dir_fd=directory)
             try:
                 os.fchmod(descriptor, 0o600)  # whatever the umask
                 write_all(descriptor, [header, value])
@@ -208,7 +208,7 @@ class FileStore(ByteStore):
         if directory is None:
             return None
         try:
-            descriptor = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=directory)
+            descriptor = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=directory)
         except FileNotFoundError:
             return None
         except OSError as error:
@@ -298,7 +298,7 @@ class FileStore(ByteStore):
         """Evict least recently used files down to the low watermark: when over the budget, or
         (``force``, on a full disk) from whatever the store holds now."""
         try:
-            descriptor = os.open(self.directory / ".lock", os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600)
+            descriptor = os.open(self.directory / ".lock", os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o600)
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX)
                 files, total = self._scan()
