@@ -23,6 +23,7 @@ import vllm
 from huggingface_hub import snapshot_download
 
 from kvgroups.core.checks import is_int_at_least
+from kvgroups.core.sizes import round_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.identity import files_digest
@@ -115,14 +116,14 @@ class ConnectorSettings:
         without one the smallest multiple of all of them that holds ``MIN_CHUNK_TOKENS`` tokens."""
         step = math.lcm(*block_sizes.values()) if block_sizes else 1
         if self.chunk_size == FOLLOW_BLOCKS:
-            return replace(self, chunk_size=step * -(-MIN_CHUNK_TOKENS // step))
+            return replace(self, chunk_size=round_up(MIN_CHUNK_TOKENS, step))
         bad = {group: size for group, size in block_sizes.items() if self.chunk_size % size}
         if bad:
             shown = ", ".join(f"group {group}: {size}" for group, size in sorted(bad.items()))
             raise ConnectorConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of every attention group's block size "
                 f"({shown}); vLLM hands out whole blocks: the smallest chunk_size at least as large that works is "
-                f"{step * -(-self.chunk_size // step)}, or leave chunk_size out to follow vLLM's block sizes"
+                f"{round_up(self.chunk_size, step)}, or leave chunk_size out to follow vLLM's block sizes"
             )
         return self
 
