@@ -213,7 +213,7 @@ def sync_rows(device: torch.device) -> list[Row]:
              f"{len(found)}" + (f" ({found[0][:60]})" if found else ""))]
 
 
-def engine_rows(device: str, backends: tuple[str, ...], models: tuple[str, ...] | None = None) -> list[Row]:
+def engine_rows(backends: tuple[str, ...], models: tuple[str, ...] | None = None) -> list[Row]:
     """Real vLLM engines on ``backends`` reusing a prefix across processes (:mod:`gpu_engines`)."""
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
         return [("vLLM engines (llama-like, qwen3-next-like)", ", ".join(backends),
@@ -222,7 +222,7 @@ def engine_rows(device: str, backends: tuple[str, ...], models: tuple[str, ...] 
     from benchmarks.gpu_engines import MODELS
     from benchmarks.gpu_engines import engine_rows as run_engines
 
-    return run_engines(device, backends, models or tuple(MODELS))
+    return run_engines(backends, models or tuple(MODELS))
 
 
 def print_table(rows: list[Row], device: str) -> None:
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         rows = kernel_rows(torch.device("cpu"), layers=2, blocks=4, num_slots=12)
         if args.engines not in {"all", "none"}:
-            rows += engine_rows("cpu", ("CPU_ATTN",), (args.engines,))
+            rows += engine_rows(("CPU_ATTN",), (args.engines,))
         print_table(rows, "cpu (Triton interpreted)")
         return _exit_code(rows)
     if not torch.cuda.is_available():
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     rows = [*kernel_rows(device), *speed_rows(device), *completion_rows(device), *sync_rows(device)]
     if args.engines != "none":
-        rows += engine_rows("cuda", ("FLASH_ATTN", "FLASHINFER"), None if args.engines == "all" else (args.engines,))
+        rows += engine_rows(("FLASH_ATTN", "FLASHINFER"), None if args.engines == "all" else (args.engines,))
     print_table(rows, torch.cuda.get_device_name(device))
     return _exit_code(rows)
 

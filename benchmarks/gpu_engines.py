@@ -18,15 +18,11 @@ engine reports it and the chunk size follows it. Any failure is a row saying so.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 OFF = {"kvgroups": {"load": False, "save": False}}
 Row = tuple[str, str, str]
 # Per model: the runner's settings. The hybrid's SSM states in float32, as vLLM's CPU build keeps them.
@@ -40,28 +36,19 @@ def _prompt(seed: int, length: int) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": [4 + (index * 37 + seed * 101 + 11) % 508 for index in range(length)]}]
 
 
-def _run(job: dict[str, Any], directory: Path, name: str, device: str) -> list[dict[str, Any]]:
-    job = {**job, "out": str(directory / f"{name}.json")}
-    (directory / f"{name}-job.json").write_text(json.dumps(job))
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    if device == "cpu":
-        environment["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    completed = subprocess.run([sys.executable, "-m", "tests.vllm_connector.engine_runner",
-                                str(directory / f"{name}-job.json")], cwd=ROOT, env=environment,
-                               capture_output=True, text=True, timeout=600, check=False)
-    if completed.returncode != 0:
-        lines = [line for line in completed.stderr.splitlines() if line.strip()]
-        raise RuntimeError(lines[-1][-160:] if lines else f"exit {completed.returncode}")
-    return list(json.loads(Path(job["out"]).read_text()))
+def _run(job: dict[str, Any], directory: Path, name: str) -> list[dict[str, Any]]:
+    from tests.vllm_connector.engine_runner import run_job
+
+    try:
+        return run_job(job, directory, name, multiprocess=False)
+    except RuntimeError as error:  # the row says the last line the engine wrote
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        raise RuntimeError(lines[-1][-160:]) from None
 
 
-def _outputs(phase: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
-    return [(output["token_ids"], output["logprobs"]) for output in phase["outputs"]]
-
-
-def engine_row(model: str, backend: str, directory: Path, device: str) -> Row:
+def engine_row(model: str, backend: str, directory: Path) -> Row:
     """Two engines, one store: the row says whether the second reproduced the first, and its TTFTs."""
+    from tests.vllm_connector.engine_runner import outputs
     from tests.vllm_connector.tiny_vllm_models import save_model  # needs transformers: imported on use
 
     settings = MODELS[model]
@@ -78,7 +65,7 @@ def engine_row(model: str, backend: str, directory: Path, device: str) -> Row:
     try:
         # The hybrid's block size is vLLM's to choose: learn it from an engine without the connector.
         chunk = settings.get("chunk") or _run({**job, "connector": None, "phases": [
-            {"requests": _prompt(0, 32), "max_tokens": 1}]}, work, "probe", device)[0]["block_size"]
+            {"requests": _prompt(0, 32), "max_tokens": 1}]}, work, "probe")[0]["block_size"]
         connector = {"store": f"file://{work}/kv", "chunk_size": chunk}
         # A hybrid's states are saved where a step ends on a chunk boundary: steps of one chunk.
         steps = {"max_num_batched_tokens": chunk} if hybrid else {}
@@ -86,17 +73,17 @@ def engine_row(model: str, backend: str, directory: Path, device: str) -> Row:
             {"requests": _prompt(0, 32), "max_tokens": 1, "kv_transfer_params": OFF},  # warm-up
             {"requests": x, "kv_transfer_params": OFF},
             {"requests": x}, {"requests": y, "max_tokens": 1},
-        ]}, work, "first", device)
+        ]}, work, "first")
         second = _run({**job, **steps, "connector": connector, "prefix_caching": not hybrid, "phases": [
             {"requests": _prompt(0, 32), "max_tokens": 1, "kv_transfer_params": OFF},
             {"requests": x}, {"requests": y, "max_tokens": 1}, {"requests": y, "max_tokens": 1},
             {"requests": z, "max_tokens": 1, "kv_transfer_params": OFF},
-        ]}, work, "second", device)
+        ]}, work, "second")
     except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as error:
         return name, "reuse from a second process", f"NO: {error}"
     expected = (length - 1) // chunk * chunk  # whole chunks, never the last prompt token
     cached = second[1]["outputs"][0]["num_cached_tokens"]
-    same = _outputs(second[1]) == _outputs(first[1])
+    same = outputs(second[1]) == outputs(first[1])
     milliseconds = [phase["seconds"] * 1000 for phase in second[2:5]]
     again = "store hit again" if hybrid else "vLLM prefix cache"
     verdict = "same tokens and logprobs" if same and cached == expected else (
@@ -106,6 +93,6 @@ def engine_row(model: str, backend: str, directory: Path, device: str) -> Row:
             f"computed {milliseconds[2]:.1f} ms")
 
 
-def engine_rows(device: str, backends: tuple[str, ...], models: tuple[str, ...] = tuple(MODELS)) -> list[Row]:
+def engine_rows(backends: tuple[str, ...], models: tuple[str, ...] = tuple(MODELS)) -> list[Row]:
     with tempfile.TemporaryDirectory() as directory:
-        return [engine_row(model, backend, Path(directory), device) for model in models for backend in backends]
+        return [engine_row(model, backend, Path(directory)) for model in models for backend in backends]

@@ -26,6 +26,35 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_job(job: dict[str, Any], directory: Path, name: str, *, multiprocess: bool) -> list[dict[str, Any]]:
+    """Run ``job`` (its phases) in a fresh Python process: each phase's result. Raises RuntimeError
+    holding the end of the process's stderr when it fails."""
+    import subprocess
+
+    job = {**job, "out": str(directory / f"{name}.json")}
+    job_path = directory / f"{name}-job.json"
+    job_path.write_text(json.dumps(job))
+    environment = {
+        # This checkout's source first, whatever kvgroups the environment has installed.
+        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        # Lets the runner ask the workers to finish their queued saves (a test-only RPC).
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    completed = subprocess.run([sys.executable, "-m", "tests.vllm_connector.engine_runner", str(job_path)],
+                               cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False)
+    if completed.returncode != 0:
+        raise RuntimeError(f"engine {name} exited {completed.returncode}:\n{completed.stderr[-4000:]}")
+    return list(json.loads(Path(job["out"]).read_text()))
+
+
+def outputs(phase: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+    """A phase's greedy tokens and their logprobs, per request."""
+    return [(output["token_ids"], output["logprobs"]) for output in phase["outputs"]]
+
 
 def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
     from vllm import LLM

@@ -9,9 +9,6 @@ and multiprocess engines differ in float rounding).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +19,9 @@ from kvgroups.core.dtypes import dtype_from_name
 from kvgroups.store import FileStore, open_store
 from kvgroups.store.codec import EntryInfo, decode_entry, encode_entry, read_header
 from tests.servers import running_server
+from tests.vllm_connector.engine_runner import outputs, run_job
 from tests.vllm_connector.tiny_vllm_models import save_model
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64
 PROMPT_TOKENS = 300  # 4 full chunks; a hit covers 256 (never the last prompt token)
 
@@ -35,24 +32,7 @@ def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 
 def run_engines(job: dict[str, Any], tmp_path: Path, name: str, *, multiprocess: bool) -> list[dict[str, Any]]:
     """Run the job's phases in a fresh Python process; each phase's outputs (and the store's keys after it)."""
-    job = {**job, "out": str(tmp_path / f"{name}.json")}
-    job_path = tmp_path / f"{name}-job.json"
-    job_path.write_text(json.dumps(job))
-    environment = {
-        # This checkout's source first, whatever kvgroups the environment has installed.
-        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-        # Lets the runner ask the workers to finish their queued saves (a test-only RPC).
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }
-    completed = subprocess.run([sys.executable, "-m", "tests.vllm_connector.engine_runner", str(job_path)],
-                               cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False)
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return list(json.loads(Path(job["out"]).read_text()))
-
-
-def outputs(phase: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
-    return [(output["token_ids"], output["logprobs"]) for output in phase["outputs"]]
+    return run_job(job, tmp_path, name, multiprocess=multiprocess)
 
 
 def cached(phase: dict[str, Any]) -> list[int]:

@@ -22,6 +22,6 @@ def test_a_row_that_cannot_run_says_why_and_fails_the_check(monkeypatch: pytest.
 
     monkeypatch.setattr(gpu_engines, "_run", refuse)
     monkeypatch.setattr("tests.vllm_connector.tiny_vllm_models.save_model", lambda kind, directory: directory)
-    rows = gpu_engines.engine_rows("cpu", ("NOPE",), ("llama",))
+    rows = gpu_engines.engine_rows(("NOPE",), ("llama",))
     assert rows == [("vLLM llama on NOPE", "reuse from a second process", "NO: ValueError: no attention backend NOPE")]
     assert gpu_check._exit_code(rows) == 1
