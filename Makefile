@@ -82,7 +82,8 @@ test: $(VENV)/.installed redis-server
 test-vllm033: $(VLLM033_VENV)/.installed redis-server
 	$(VLLM033_BIN)/pytest -n 2 --durations=4 tests/vllm_connector/test_connector_unit.py tests/vllm_connector/test_lookups.py \
 		tests/vllm_connector/test_stats_unit.py tests/vllm_connector/test_connector_stats.py \
-		tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py
+		tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
+		tests/vllm_connector/test_align_mode.py
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
 test-vllm: $(VLLM_VENV)/.installed redis-server

@@ -235,7 +235,7 @@ def print_table(rows: list[Row], device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for the kernel rows only")
-    parser.add_argument("--engines", choices=("all", "none", "llama"), default="all",
+    parser.add_argument("--engines", choices=("all", "none", "llama", "qwen3_next"), default="all",
                         help="which vLLM engine rows to run (with --device cpu: none unless asked, on CPU_ATTN)")
     args = parser.parse_args(argv)
     if args.device == "cpu":

@@ -2,18 +2,17 @@
 
 Per model (a tiny random-weight llama-like model, a qwen3-next-like hybrid of gated-DeltaNet and
 full attention) and attention backend, two engines run one after the other, each in its own
-process (``tests.vllm_connector.engine_runner``), on one file store:
+process (``tests.vllm_connector.engine_runner``), on one file store, both with vLLM's defaults
+(its prefix cache on; for the hybrid, so recurrent states on vLLM's block grid):
 
-* the first, with the connector, computes the prompt with the connector turned off for the request
-  (its greedy tokens and logprobs are the reference), then serves it normally, which stores it;
+* the first, with the connector, computes the prompt (a miss: its greedy tokens and logprobs are
+  the reference), which stores it;
 * the second, a fresh process, serves the prompt from the store and must give the same tokens and
   logprobs; then, ``max_tokens=1``: a stored prompt (a store hit), the same prompt again (vLLM's own
-  prefix cache where it runs with it: attention-only models; a hybrid runs with vLLM's prefix
-  cache off, where the connector serves its states), and a fresh prompt of the same length with
-  the connector off (computed).
+  prefix cache), and a fresh prompt of the same length with the connector off (computed).
 
-A hybrid's attention block size is vLLM's choice (it sizes blocks to hold a state): the first
-engine reports it and the chunk size follows it. Any failure is a row saying so.
+A hybrid's attention block size is vLLM's choice (it sizes blocks to hold a state), and its chunk
+follows it (``chunk_size`` left out). Any failure is a row saying so.
 """
 
 from __future__ import annotations
@@ -60,36 +59,30 @@ def engine_row(model: str, backend: str, directory: Path) -> Row:
     if "mamba_ssm_cache_dtype" in settings:
         job["mamba_ssm_cache_dtype"] = settings["mamba_ssm_cache_dtype"]
     x, y, z = _prompt(1, length), _prompt(2, length), _prompt(3, length)
-    hybrid = "chunk" not in settings
     name = f"vLLM {model} on {backend}"
+    # Without "chunk" the chunk follows the block sizes vLLM picks (a hybrid's, one step of its grid of states).
+    connector = {"store": f"file://{work}/kv", **({"chunk_size": settings["chunk"]} if "chunk" in settings else {})}
     try:
-        # The hybrid's block size is vLLM's to choose: learn it from an engine without the connector.
-        chunk = settings.get("chunk") or _run({**job, "connector": None, "phases": [
-            {"requests": _prompt(0, 32), "max_tokens": 1}]}, work, "probe")[0]["block_size"]
-        connector = {"store": f"file://{work}/kv", "chunk_size": chunk}
-        # A hybrid's states are saved where a step ends on a chunk boundary: steps of one chunk.
-        steps = {"max_num_batched_tokens": chunk} if hybrid else {}
-        first = _run({**job, **steps, "connector": connector, "phases": [
+        first = _run({**job, "connector": connector, "prefix_caching": True, "phases": [
             {"requests": _prompt(0, 32), "max_tokens": 1, "kv_transfer_params": OFF},  # warm-up
-            {"requests": x, "kv_transfer_params": OFF},
             {"requests": x}, {"requests": y, "max_tokens": 1},
         ]}, work, "first")
-        second = _run({**job, **steps, "connector": connector, "prefix_caching": not hybrid, "phases": [
+        second = _run({**job, "connector": connector, "prefix_caching": True, "phases": [
             {"requests": _prompt(0, 32), "max_tokens": 1, "kv_transfer_params": OFF},
             {"requests": x}, {"requests": y, "max_tokens": 1}, {"requests": y, "max_tokens": 1},
             {"requests": z, "max_tokens": 1, "kv_transfer_params": OFF},
         ]}, work, "second")
     except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as error:
         return name, "reuse from a second process", f"NO: {error}"
+    chunk = settings.get("chunk") or first[0]["block_size"]
     expected = (length - 1) // chunk * chunk  # whole chunks, never the last prompt token
     cached = second[1]["outputs"][0]["num_cached_tokens"]
     same = outputs(second[1]) == outputs(first[1])
     milliseconds = [phase["seconds"] * 1000 for phase in second[2:5]]
-    again = "store hit again" if hybrid else "vLLM prefix cache"
     verdict = "same tokens and logprobs" if same and cached == expected else (
         f"NO: {'tokens or logprobs DIFFER' if not same else 'same output'}, {cached} of {expected} tokens cached")
     return (name, f"reuse from a 2nd process, chunk {chunk}; TTFT of {length} tokens",
-            f"{verdict}; store hit {milliseconds[0]:.1f} ms, {again} {milliseconds[1]:.1f} ms, "
+            f"{verdict}; store hit {milliseconds[0]:.1f} ms, vLLM prefix cache {milliseconds[1]:.1f} ms, "
             f"computed {milliseconds[2]:.1f} ms")
 
 

@@ -7,9 +7,15 @@
 prefix cache off unless ``"prefix_caching": true``. With ``store_dir`` (a file store), each phase's
 result lists the keys the store holds after it, its saves written. Optional: ``"attention_backend"``
 (a vLLM backend name), ``"kv_events"`` (``{"endpoint": ..., "topic": ...}``: KV events published
-over ZMQ), ``"mamba_ssm_cache_dtype"``, and ``"cpu_attention_kernels": "vec"``, which keeps vLLM's
+over ZMQ), ``"mamba_ssm_cache_dtype"``, ``"cpu_attention_kernels": "vec"``, which keeps vLLM's
 CPU attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a
-bfloat16 job runs the same kernels on every x86 CPU.
+bfloat16 job runs the same kernels on every x86 CPU, and ``"mamba2_checkpoint_export": false``
+(an in-process engine only), which runs vLLM's Mamba-2 mixer without exporting a prefix-cache
+checkpoint from inside its forward: vLLM's CPU build fails there (``IndexError`` in
+``mamba_mixer2.conv_ssm_forward``, its CPU scan returns no intermediate states), and without it
+vLLM's scheduler ends a step at the checkpoint instead, as it does for gated DeltaNet. An
+in-process engine's result also holds the connector's own counts (``connector_counts``, since
+the engine started).
 
 One engine per process, as deployments run them: vLLM 0.32 cannot build a second engine in a
 process that has loaded llvmlite (numba's compiler, which the connector's CPU kernel uses): its
@@ -97,6 +103,16 @@ def _keys_at(url: str) -> list[str]:
         return []
 
 
+def _connector_counts(engine: Any) -> dict[str, int] | None:
+    """The scheduler side's own counts of an in-process engine's connector (None elsewhere)."""
+    import dataclasses
+
+    core = getattr(getattr(engine.llm_engine, "engine_core", None), "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    side = getattr(connector, "_scheduler", None)
+    return dataclasses.asdict(side.counts) if side is not None else None
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     if job.get("cpu_attention_kernels") == "vec":
@@ -106,6 +122,10 @@ def main() -> None:
         torch.cpu._is_amx_tile_supported = lambda: False
     from vllm import SamplingParams
 
+    if job.get("mamba2_checkpoint_export") is False:
+        from vllm.model_executor.layers.mamba import abstract, mamba_mixer2
+
+        mamba_mixer2.MambaMixer2.get_kv_cache_spec = abstract.MambaBase.get_kv_cache_spec
     engine = _engine(job, job.get("connector"))
     results: list[dict[str, Any]] = []
     for phase in job["phases"]:
@@ -135,6 +155,9 @@ def main() -> None:
                 "num_cached_tokens": output.num_cached_tokens,
             } for output in outputs],
         })
+        counts = _connector_counts(engine)
+        if counts is not None:
+            results[-1]["connector_counts"] = counts
         if "store_dir" in job:
             results[-1]["store_keys"] = _stored_keys(job["store_dir"])
         elif "store_url" in job:

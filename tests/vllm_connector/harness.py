@@ -45,6 +45,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvgroups.core.layouts import KVLayout
+from kvgroups.integrations.vllm.connector import KVGroupsConnector
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import engine_layout
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
@@ -61,11 +62,12 @@ DIFF_KEYS, DIFF_VALUES = 40, 24
 MLA_HEAD_SIZE = HEADS * 2 * HEAD_SIZE  # one latent row per token, as large as a token's K and V rows
 STATE_SHAPES = ((3, 16), (2, 8, 8))  # a conv and an SSM state, per sequence
 MAX_MODEL_LEN = 1024
+CHUNK = 32  # tokens per stored chunk in these tests
 
 
 def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str = "none") -> list[KVCacheGroupSpec]:
-    """One vLLM group of two layers per kind ("sliding", "full", "diffkv_sliding", "diffkv_full", "mla", "mamba"),
-    layer names interleaved."""
+    """One vLLM group of two layers per kind ("sliding", "full", "diffkv_sliding", "diffkv_full", "mla", "mamba",
+    "mamba2"), layer names interleaved."""
     attention: dict[str, Any] = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
     diff_kv = {**attention, "head_size": DIFF_KEYS, "head_size_v": DIFF_VALUES}
     page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
@@ -83,9 +85,14 @@ def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str 
         elif kind == "mla":
             spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_HEAD_SIZE, dtype=DTYPE)
         else:
-            # Without vLLM's prefix caching ("none") a state block covers the whole sequence.
+            # Without vLLM's prefix caching ("none") a state block covers the whole sequence. "mamba2"
+            # declares what vLLM's MambaMixer2 does: its forward exports the state at a block boundary
+            # inside a step (a prefill checkpoint) into a block of its own.
+            checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) \
+                if kind == "mamba2" else {}
             spec = MambaSpec(block_size=MAX_MODEL_LEN if mamba_mode == "none" else block_size, shapes=STATE_SHAPES,
-                             dtypes=(DTYPE, DTYPE), page_size_padded=page_bytes, mamba_cache_mode=mamba_mode)
+                             dtypes=(DTYPE, DTYPE), page_size_padded=page_bytes, mamba_cache_mode=mamba_mode,
+                             **checkpoints)
         groups.append(KVCacheGroupSpec(names, spec))
     return groups
 
@@ -103,12 +110,15 @@ def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, nu
 
 def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
                 role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False,
-                tp: int = 1, kv_events: bool = False) -> VllmConfig:
+                tp: int = 1, kv_events: bool = False, retention_interval: int | None = 0) -> VllmConfig:
+    """``retention_interval``: vLLM's ``prefix_cache_retention_interval`` (its default, 0, keeps a
+    recurrent state only where a request may resume; None keeps every one)."""
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_MODEL_LEN,
                                 enable_chunked_prefill=True, is_encoder_decoder=False,
                                 disable_hybrid_kv_cache_manager=None)
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
+                        prefix_cache_retention_interval=retention_interval)
     cache.kv_cache_layout = "LBHNC"  # resolved by the engine core before connectors exist
     if mamba_mode is not None:
         cache.mamba_cache_mode = mamba_mode
@@ -125,6 +135,26 @@ def prompt(length: int, seed: int = 0) -> list[int]:
     return [4 + (index * 37 + seed * 101 + 11) % 500 for index in range(length)]
 
 
+def file_store(tmp_path: Path, chunk_size: int | None = CHUNK, **extra: Any) -> dict[str, Any]:
+    """The connector's settings for a file store under ``tmp_path`` (``chunk_size`` None: left out)."""
+    chunk = {"chunk_size": chunk_size} if chunk_size is not None else {}
+    return {"store": f"file://{tmp_path}/kv", **chunk, **extra}
+
+
+def token_rows(worker: FakeWorker, block_ids: tuple[tuple[int, ...], ...], positions: range) -> list[torch.Tensor]:
+    """Every attention group's K/V rows of token ``positions`` (null blocks skipped) in ``worker``'s caches."""
+    rows = []
+    for engine_group in worker.side.engine_groups:
+        if not engine_group.token_indexed:
+            continue
+        ids = block_ids[engine_group.index]
+        size = engine_group.block_size
+        slots = [ids[p // size] * size + p % size for p in positions if ids[p // size] != 0]
+        for member in engine_group.members:
+            rows.append(worker.side.transfers[member].pack(torch.tensor(slots, dtype=torch.int64))[0])
+    return rows
+
+
 @dataclass
 class Step:
     output: Any  # SchedulerOutput
@@ -137,6 +167,22 @@ class Step:
     def new(self) -> dict[str, int]:
         """Requests scheduled for the first time this step -> their computed tokens (local + loaded)."""
         return {new.req_id: new.num_computed_tokens for new in self.output.scheduled_new_reqs}
+
+
+def connector_stats(steps: list[Step], worker: FakeWorker) -> KVGroupsConnectorStats:
+    """Every step's connector stats summed, as vLLM's front end does with build_kv_connector_stats, and
+    what the worker reports at its next step (saves are written in the background, after their step)."""
+    total = KVGroupsConnector.build_kv_connector_stats()
+    for step in steps:
+        payload = step.scheduler_stats.kv_connector_stats if step.scheduler_stats is not None else None
+        if payload:
+            total.aggregate(KVGroupsConnector.build_kv_connector_stats(payload))
+    worker.side.flush()
+    assert worker.side.stats is not None
+    later = worker.side.stats.take()
+    if later is not None:
+        total.aggregate(KVGroupsConnector.build_kv_connector_stats(later))
+    return total
 
 
 @dataclass
@@ -170,11 +216,12 @@ class SchedulerHarness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, *, before_load: Any = None) -> Step:
+    def step(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, *, before_load: Any = None,
+             forward: Any = None) -> Step:
         """One engine step: schedule, hand the plans to ``worker`` (or to each tensor-parallel rank's:
-        loads, saves; asynchronous loads run to their end within the step, ``before_load()`` first),
-        and report what it finished (as vLLM aggregates ranks: a load finished once every rank's is,
-        failed where any rank's did)."""
+        loads, ``forward(step)`` standing in for the model, saves; asynchronous loads run to their end
+        within the step, ``before_load()`` first), and report what it finished (as vLLM aggregates
+        ranks: a load finished once every rank's is, failed where any rank's did)."""
         output = self.scheduler.schedule()
         metadata = output.kv_connector_metadata
         assert isinstance(metadata, KVGroupsConnectorMetadata)
@@ -187,6 +234,9 @@ class SchedulerHarness:
             finished: list[set[str]] = []
             for each in workers:
                 each.side.load(metadata)
+            if forward is not None:
+                forward(step)
+            for each in workers:
                 each.side.save(metadata)
                 assert each.side.wait_for_loads(timeout=60)
                 done, failed = each.side.finished_loads()
@@ -218,11 +268,12 @@ class SchedulerHarness:
         step.scheduler_stats = next((outputs[index].scheduler_stats for index in outputs), None)
         return step
 
-    def run(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, max_steps: int = 50) -> list[Step]:
+    def run(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, max_steps: int = 50, *,
+            forward: Any = None) -> list[Step]:
         """Step until every request finished, handing each step's plans to ``worker`` as an engine would."""
         steps: list[Step] = []
         while self.scheduler.has_unfinished_requests() and len(steps) < max_steps:
-            steps.append(self.step(worker))
+            steps.append(self.step(worker, forward=forward))
             if not steps[-1].output.num_scheduled_tokens:
                 time.sleep(0.005)  # a lookup or a load runs in the background
         for each in worker if isinstance(worker, tuple) else (worker,) if worker is not None else ():
@@ -230,14 +281,14 @@ class SchedulerHarness:
         return steps
 
     def admit(self, worker: FakeWorker | tuple[FakeWorker, ...], request_id: str, *, before_load: Any = None,
-              deadline_seconds: float = 30.0) -> tuple[list[Step], int, Any]:
+              forward: Any = None, deadline_seconds: float = 30.0) -> tuple[list[Step], int, Any]:
         """Step until ``request_id`` is scheduled: the steps, its computed tokens then (local + loaded),
         and its load plan (None without one). A step that schedules nothing (a lookup running in
         the background) is followed by a short sleep."""
         steps: list[Step] = []
         deadline = time.monotonic() + deadline_seconds
         while time.monotonic() < deadline:
-            steps.append(self.step(worker, before_load=before_load))
+            steps.append(self.step(worker, before_load=before_load, forward=forward))
             if request_id in steps[-1].new():
                 loads = [plan for step in steps for plan in step.metadata.loads if plan.request_id == request_id]
                 return steps, steps[-1].new()[request_id], loads[-1] if loads else None

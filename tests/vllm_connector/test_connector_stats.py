@@ -13,10 +13,16 @@ from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvgroups.integrations.vllm.connector import KVGroupsConnector
-from kvgroups.integrations.vllm.stats import KVGroupsConnectorStats
 from tests.servers import running_server
-from tests.vllm_connector.harness import FakeWorker, SchedulerHarness, Step, cache_config, prompt, vllm_config
+from tests.vllm_connector.harness import (
+    FakeWorker,
+    SchedulerHarness,
+    Step,
+    cache_config,
+    connector_stats,
+    prompt,
+    vllm_config,
+)
 
 CHUNK = 32
 
@@ -25,22 +31,6 @@ def engine(model_dir: Path, stores: list[str]) -> tuple[SchedulerHarness, FakeWo
     kv = cache_config(["sliding", "full"])
     config = vllm_config(model_dir, {"store": stores, "chunk_size": CHUNK})
     return SchedulerHarness(config, kv), FakeWorker(config, kv, seed=0)
-
-
-def connector_stats(steps: list[Step], worker: FakeWorker) -> KVGroupsConnectorStats:
-    """Every step's connector stats summed, as vLLM's front end does with build_kv_connector_stats, and
-    what the worker reports at its next step (saves are written in the background, after their step)."""
-    total = KVGroupsConnector.build_kv_connector_stats()
-    for step in steps:
-        payload = step.scheduler_stats.kv_connector_stats if step.scheduler_stats is not None else None
-        if payload:
-            total.aggregate(KVGroupsConnector.build_kv_connector_stats(payload))
-    worker.side.flush()
-    assert worker.side.stats is not None
-    later = worker.side.stats.take()
-    if later is not None:
-        total.aggregate(KVGroupsConnector.build_kv_connector_stats(later))
-    return total
 
 
 def hits_by_source(steps: list[Step]) -> dict[Any, int]:

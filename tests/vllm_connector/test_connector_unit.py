@@ -26,6 +26,7 @@ from kvgroups.integrations.vllm.settings import ConnectorConfigError, ConnectorS
 from kvgroups.store import FileStore
 from tests.servers import running_server
 from tests.vllm_connector.harness import (
+    CHUNK,
     DIFF_KEYS,
     DIFF_VALUES,
     DTYPE,
@@ -35,15 +36,11 @@ from tests.vllm_connector.harness import (
     SchedulerHarness,
     Step,
     cache_config,
+    file_store,
     prompt,
+    token_rows,
     vllm_config,
 )
-
-CHUNK = 32
-
-
-def file_store(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    return {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK, **extra}
 
 
 def fill(model_dir: Path, extra: dict[str, Any], kinds: list[str], tokens: list[int], *,
@@ -61,18 +58,6 @@ def fresh(model_dir: Path, extra: dict[str, Any], kinds: list[str], *, layout: K
     kv = cache_config(kinds, **cache)
     config = vllm_config(model_dir, extra)
     return SchedulerHarness(config, kv), FakeWorker(config, kv, layout=layout, seed=1)
-
-
-def token_rows(worker: FakeWorker, block_ids: tuple[tuple[int, ...], ...], positions: range) -> list[torch.Tensor]:
-    """Every kvgroups group's K/V rows of token ``positions`` (null blocks skipped) in ``worker``'s caches."""
-    rows = []
-    for engine_group in worker.side.engine_groups:
-        ids = block_ids[engine_group.index]
-        size = engine_group.block_size
-        slots = [ids[p // size] * size + p % size for p in positions if ids[p // size] != 0]
-        for member in engine_group.members:
-            rows.append(worker.side.transfers[member].pack(torch.tensor(slots, dtype=torch.int64))[0])
-    return rows
 
 
 @pytest.fixture(params=[KVLayout.VLLM_CPU, KVLayout.VLLM], ids=lambda layout: layout.value)

@@ -13,7 +13,7 @@ import pytest
 import vllm
 from vllm.config import KVTransferConfig
 
-from kvgroups.integrations.vllm.settings import ConnectorSettings
+from kvgroups.integrations.vllm.settings import FOLLOW_BLOCKS, ConnectorSettings
 
 ROOT = Path(__file__).parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -62,3 +62,31 @@ def test_the_kv_events_command_line() -> None:
     events = KVEventsConfig(**json.loads(words[words.index("--kv-events-config") + 1]))
     assert (events.enable_kv_cache_events, events.publisher, events.endpoint) == (True, "zmq", "tcp://*:5557")
     assert events.topic == "kv@$POD_IP@MODEL"  # the shell puts the pod's address there
+
+
+def test_the_hybrid_serve_command_line(gemma3_dir: Path) -> None:
+    """docs/vllm.md's line for a hybrid: vLLM's arguments, prefix caching left at vLLM's default (on, so
+    recurrent states in "align" mode), and chunk_size left out, so that chunks follow vLLM's grid of states."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvgroups.integrations.vllm.deployment import Deployment
+    from tests.vllm_connector.harness import cache_config, vllm_config
+
+    (block,) = claimed("test_the_hybrid_serve_command_line", "sh")
+    words = shlex.split(block)
+    assert words[:2] == ["vllm", "serve"] and "--no-enable-prefix-caching" not in words
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    arguments = EngineArgs.from_cli_args(parser.parse_args(["--model", *words[2:]]))
+    assert arguments.enable_prefix_caching in (None, True)  # vLLM's default: on
+    transfer = arguments.kv_transfer_config
+    assert transfer is not None
+    settings = check(transfer)
+    assert settings.chunk_size == FOLLOW_BLOCKS and settings.stores == ("file:///var/cache/kv",)
+    # A hybrid whose blocks vLLM sized to 528 tokens (Qwen3.5 on GPUs): a chunk is one step of its grid.
+    kv = cache_config(["mamba", "full"], block_size=528, num_blocks=8, mamba_mode="align")
+    config = vllm_config(gemma3_dir, transfer.kv_connector_extra_config, block_size=528, mamba_mode="align",
+                         prefix_caching=True)
+    deployment = Deployment(config, kv)
+    assert deployment.settings.chunk_size == 528 and deployment.unservable is None

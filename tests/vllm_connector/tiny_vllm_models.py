@@ -33,7 +33,7 @@ def save_tokenizer(directory: Path) -> None:
 
 
 def save_model(kind: str, directory: Path, **overrides: Any) -> Path:
-    """Save a tiny ``kind`` ("llama", "gemma3" or "qwen3_next") model to ``directory``."""
+    """Save a tiny ``kind`` ("llama", "gemma3", "qwen3_next" or "granite_hybrid") model to ``directory``."""
     import transformers
 
     torch.manual_seed(0)
@@ -57,6 +57,14 @@ def save_model(kind: str, directory: Path, **overrides: Any) -> Path:
             "torch_dtype": "bfloat16", **overrides,
         })
         model = transformers.Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    elif kind == "granite_hybrid":  # granite-4-like: Mamba-2 mixers and attention (its linear head size, 32)
+        config = transformers.GraniteMoeHybridConfig(**{
+            **COMMON, "num_hidden_layers": 4, "num_attention_heads": 2,
+            "layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 32,
+            "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 64,
+            "num_local_experts": 0, "shared_intermediate_size": 128, "position_embedding_type": "rope", **overrides,
+        })
+        model = transformers.GraniteMoeHybridForCausalLM(config)
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     directory.mkdir(parents=True, exist_ok=True)

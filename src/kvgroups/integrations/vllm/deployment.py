@@ -15,7 +15,7 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import KVLayout
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import UnsupportedCacheError
-from kvgroups.integrations.vllm.engine_groups import EnginePlan, engine_layout
+from kvgroups.integrations.vllm.engine_groups import STATE_MODES, EnginePlan, engine_layout
 from kvgroups.integrations.vllm.settings import ConnectorSettings, model_identity
 
 
@@ -35,8 +35,16 @@ class Deployment:
         self.world_size = int(parallel.tensor_parallel_size)
         # The platform decides the layout; tests of the other platform's layout pass it.
         self.plan = EnginePlan(kv_cache_config, layout or engine_layout(current_platform.is_cpu()))
+        # A hit ends on a chunk boundary, where every group must be able to hold it: attention groups
+        # in whole blocks, recurrent groups on vLLM's block grid ("align") at one of its boundaries.
+        on_grid = [group for group in self.plan.engine_groups if group.states_on_block_grid]
         self.settings = self.settings.for_blocks(
-            {group.index: group.block_size for group in self.plan.engine_groups if group.token_indexed})
+            {group.index: group.block_size for group in self.plan.engine_groups
+             if group.token_indexed or group.states_on_block_grid},
+            states_on_block_grid=bool(on_grid))
+        # Where vLLM keeps states on its grid, a chunk longer than one grid step has a state only where a
+        # prefill step happened to end on its boundary (the scheduler warns).
+        self.sparse_states = bool(on_grid) and any(self.settings.chunk_size > group.block_size for group in on_grid)
         self.identity = model_identity(vllm_config)
         self.engine_id = transfer.engine_id
         # The groups every rank must register (the worker checks), and each vLLM group's members among them.
@@ -53,13 +61,13 @@ class Deployment:
         self.kv_events = bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False))
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
-        # A recurrent group is served only where its state has one block per request, updated in
-        # place (mamba_cache_mode "none"); vLLM's own prefix-caching modes keep states elsewhere.
+        # A recurrent group is served where the connector knows which block vLLM reads its state from
+        # (EngineGroup.state_block); a mode of a later vLLM is saved but never served.
         modes = {group.state_mode for group in self.plan.engine_groups if not group.token_indexed}
+        unknown = sorted(mode or "" for mode in modes - set(STATE_MODES))
         self.unservable = (
-            f"recurrent state kept in mamba_cache_mode {sorted(mode or '' for mode in modes - {'none'})}; "
-            f"the connector restores states in mamba_cache_mode 'none' (vLLM's prefix caching off)"
-            if modes - {"none"} else None
+            f"recurrent state kept in mamba_cache_mode {unknown}; the connector restores states in "
+            f"mamba_cache_mode {' and '.join(map(repr, STATE_MODES))}" if unknown else None
         )
 
     def owned_groups(self, rank: int) -> list[int]:

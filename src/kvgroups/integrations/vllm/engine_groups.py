@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -118,6 +118,12 @@ class LayerPlan:
         return tuple(states)
 
 
+# vLLM's mamba_cache_mode values the connector restores states in: "none" (vLLM's prefix caching off),
+# one state block per request updated in place; "align" (prefix caching on, vLLM's default), a block
+# table on the block grid whose block p holds the state after (p + 1) * block_size tokens.
+STATE_MODES = ("none", "align")
+
+
 @dataclass(frozen=True)
 class EngineGroup:
     """One vLLM KV-cache group: its block size, the layers kvgroups moves, its kvgroups groups."""
@@ -129,6 +135,35 @@ class EngineGroup:
     members: tuple[int, ...]
     token_indexed: bool
     state_mode: str | None  # mamba_cache_mode of a recurrent group
+
+    @property
+    def states_on_block_grid(self) -> bool:
+        """A recurrent group whose states vLLM keeps on its block grid (``mamba_cache_mode`` "align")."""
+        return self.state_mode == "align"
+
+    def state_block(self, block_ids: Sequence[int], num_tokens: int) -> int:
+        """The block of a recurrent group that holds (or is to hold) the state after ``num_tokens`` tokens.
+
+        In "none" mode a request has one state block, updated in place; in "align" mode the block at
+        ``num_tokens // block_size - 1``, which is where vLLM reads a hit's state from (its model
+        runner continues from block ``(num_computed_tokens - 1) // block_size``) and where it keeps
+        the state of a step that ends there.
+        """
+        if self.state_mode == "none":
+            if len(block_ids) != 1 or block_ids[0] == 0:
+                raise KVGroupsError(f"recurrent KV-cache group {self.index}: its blocks are {list(block_ids)}; "
+                                    f"expected its one state block (mamba_cache_mode 'none')")
+            return int(block_ids[0])
+        if self.state_mode != "align":
+            raise KVGroupsError(f"recurrent KV-cache group {self.index}: mamba_cache_mode {self.state_mode!r} "
+                                f"keeps states where the connector cannot find them (known: {', '.join(STATE_MODES)})")
+        index = num_tokens // self.block_size - 1
+        if num_tokens % self.block_size or not 0 <= index < len(block_ids) or block_ids[index] == 0:
+            shown = int(block_ids[index]) if 0 <= index < len(block_ids) else "none"
+            raise KVGroupsError(
+                f"recurrent KV-cache group {self.index} (mamba_cache_mode 'align', blocks of {self.block_size} "
+                f"tokens): no state block after {num_tokens} tokens (block {index} of {len(block_ids)} is {shown})")
+        return int(block_ids[index])
 
 
 def natural_key(name: str) -> tuple[Any, ...]:

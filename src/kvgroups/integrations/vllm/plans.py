@@ -18,8 +18,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvgroups.datapath.slots import paged_slots
-from kvgroups.errors import KVGroupsError
-from kvgroups.integrations.vllm.engine_groups import EngineGroup
+from kvgroups.integrations.vllm.engine_groups import STATE_MODES, EngineGroup
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,10 @@ class SavePlan:
 
     A group's entry is saved only if all of the chunk is in its blocks now (a sliding window
     may have dropped the start of a chunk that began in an earlier step), a recurrent group's
-    only if this step ends exactly where the chunk does (its state is at that boundary).
+    only where its state at the chunk's end is in a block now: a block vLLM handed over for that
+    boundary (``boundary_states``: vLLM's ``boundary_state_offloads`` in ``mamba_cache_mode``
+    "align", such as a state a forward exported inside its step), or the block of this step's
+    running state where the step ends exactly at the chunk's end.
     """
 
     request_id: str
@@ -60,6 +62,8 @@ class SavePlan:
     chunks: tuple[int, ...]
     step_end: int
     block_ids: tuple[tuple[int, ...], ...]
+    # (vLLM group index, tokens, block id): the state after that many tokens is in that block.
+    boundary_states: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def tokens(self) -> np.ndarray:
@@ -69,29 +73,26 @@ class SavePlan:
               chunk_size: int) -> dict[int, dict[str, Any]]:
         """How to pack chunk ``chunk`` of each kvgroups group among ``owned``: the slots of its tokens, or
         its state block; groups that cannot save it now (above) are left out."""
-        positions = np.arange(chunk * chunk_size, (chunk + 1) * chunk_size)
+        end = (chunk + 1) * chunk_size
+        positions = np.arange(chunk * chunk_size, end)
+        handed = {(group, tokens): block for group, tokens, block in self.boundary_states}
         packs: dict[int, dict[str, Any]] = {}
         for engine_group in engine_groups:
-            block_ids = np.asarray(self.block_ids[engine_group.index], dtype=np.int64)
+            block_ids = self.block_ids[engine_group.index]
             how: dict[str, Any]
             if engine_group.token_indexed:
-                slots = paged_slots(positions, block_ids, engine_group.block_size)
+                slots = paged_slots(positions, np.asarray(block_ids, dtype=np.int64), engine_group.block_size)
                 if (slots < 0).any():
                     continue  # part of the chunk has left this group's blocks (a window moved on)
                 how = {"slot_mapping": torch.from_numpy(slots)}
-            elif self.step_end == (chunk + 1) * chunk_size and engine_group.state_mode == "none":
-                how = {"state_indices": [state_block(block_ids)]}
+            elif (engine_group.index, end) in handed:
+                how = {"state_indices": [handed[engine_group.index, end]]}
+            elif self.step_end == end and engine_group.state_mode in STATE_MODES:
+                how = {"state_indices": [engine_group.state_block(block_ids, end)]}
             else:
                 continue
             packs.update({member: how for member in engine_group.members if member in owned})
         return packs
-
-
-def state_block(block_ids: np.ndarray) -> int:
-    """A recurrent group's one state block, from its block ids."""
-    if block_ids.size != 1 or block_ids[0] == 0:
-        raise KVGroupsError(f"a recurrent group's blocks are {block_ids.tolist()}; expected its one state block")
-    return int(block_ids[0])
 
 
 @dataclass

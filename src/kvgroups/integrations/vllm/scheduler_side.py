@@ -7,7 +7,7 @@ once, when it loads; an entry gone or corrupt by then fails the load and vLLM re
 request (asynchronous loads, ``failed_recving``) or the blocks (synchronous loads,
 ``invalid_block_ids``), and the store is not offered for that request again. A hit never covers
 the prompt's last token (vLLM computes it for the first logits) and is a multiple of the chunk
-size, itself a multiple of every attention group's block size.
+size, itself a multiple of every KV-cache group's block size.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.events import StoreEvents
 from kvgroups.integrations.vllm.lookups import Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
-from kvgroups.integrations.vllm.stats import StatsReporter
+from kvgroups.integrations.vllm.stats import ConnectorCounts, StatsReporter
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.urls import open_store
 
@@ -80,10 +80,18 @@ class SchedulerSide:
         self._generation = ""  # after a reset (new weights), a salt of this process's own in every key
         self._tier_names = [tier.tier_name for tier in self.store.tiers]  # fastest first
         # vLLM's log line and /metrics get the lookups of rank 0's chunks (every rank is asked the same).
-        self.stats = StatsReporter(self.rank_stores[0].stats)
+        self.counts = ConnectorCounts()
+        self.stats = StatsReporter(self.rank_stores[0].stats, self.counts)
         self.events = StoreEvents(deployment, self.rank_stores, kv_cache_config) if deployment.kv_events else None
         if deployment.unservable:
             logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
+        if deployment.sparse_states:
+            logger.warning(
+                "KVGroupsConnector: chunk_size %d is longer than vLLM's grid of recurrent states (mamba_cache_mode "
+                "'align', one state per %s tokens at most, where a prefill step ends): a chunk's state is stored "
+                "only where a step ends on its boundary, so few prefixes hit. Leave chunk_size out to follow vLLM's "
+                "grid", self.chunk_size, "/".join(str(group.block_size) for group in deployment.plan.engine_groups
+                                                  if group.states_on_block_grid))
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -141,6 +149,8 @@ class SchedulerSide:
         if state is None or num_external_tokens <= 0:
             return
         state.load = (state.queried_local + num_external_tokens, state.queried_local)
+        if state.queried_local:  # local hit, then the store, then compute
+            self.counts.continued(state.queried_local, num_external_tokens)
         if self.asynchronous:
             self._async_loads.append(request.request_id)
 
@@ -175,6 +185,10 @@ class SchedulerSide:
                 continue
             metadata.loads.append(self._load_plan(request_id, state, self._block_ids(request_id), asynchronous=True))
         self._async_loads.clear()
+        # In mamba_cache_mode "align" vLLM hands over the blocks holding the states it keeps at block
+        # boundaries this step (request -> (group, block, tokens)): a chunk's state is taken from there.
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        boundary_states = getattr(block_state, "boundary_state_offloads", None) or {}
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
@@ -200,6 +214,9 @@ class SchedulerSide:
                 token_bytes=token_bytes(state.tokens[: (chunks[-1] + 1) * self.chunk_size]),
                 request_salt=state.salt, chunks=chunks, step_end=start + int(num_scheduled),
                 block_ids=block_ids or self._block_ids(request_id),
+                boundary_states=tuple((int(group), int(tokens), int(block))
+                                      for group, block, tokens in boundary_states.get(request_id, ())
+                                      if block and tokens % self.chunk_size == 0),
             ))
             if self.events is not None:
                 self.events.saving(state.request, plan)

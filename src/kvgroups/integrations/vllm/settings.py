@@ -2,9 +2,10 @@
 
 ``{"store": URL or [URLs], "chunk_size": N, "salt": S, "secret_file": PATH, "encrypt": bool,
 "max_pending_bytes": N, "load_mode": "async" | "sync"}``: where chunks live (a list is a tier
-chain, fastest first), how many tokens a stored chunk holds (a multiple of every attention
+chain, fastest first), how many tokens a stored chunk holds (a multiple of every KV-cache
 group's block size; without it, the smallest such multiple of at least ``MIN_CHUNK_TOKENS``,
-whatever block sizes vLLM picks at start-up), the tenant salt that keeps this deployment's keys apart from others', the
+whatever block sizes vLLM picks at start-up, or for recurrent states on vLLM's block grid one
+step of that grid), the tenant salt that keeps this deployment's keys apart from others', the
 file holding the deployment's secret (else ``$KVGROUPS_STORE_SECRET``, else none), whether
 entries are encrypted, the host memory queued saves may hold, and how hits are loaded: in
 background threads while other requests run (``"async"``, the default), or before the forward
@@ -32,8 +33,9 @@ from kvgroups.store.redis_settings import mask_url
 from kvgroups.store.secret import StoreSecret
 
 KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode")
-# Without "chunk_size" a chunk is the smallest multiple of every attention group's block size (vLLM
-# picks a hybrid's at start-up, to fit a state in a page) holding at least this many tokens.
+# Without "chunk_size" a chunk is the smallest multiple of every KV-cache group's block size (vLLM
+# picks a hybrid's at start-up, to fit a state in a page) holding at least this many tokens (but see
+# ConnectorSettings.for_blocks for states on vLLM's block grid).
 MIN_CHUNK_TOKENS = 256
 FOLLOW_BLOCKS = 0  # chunk_size before it is resolved against vLLM's block sizes: none was given
 LOAD_MODES = ("async", "sync")
@@ -110,18 +112,24 @@ class ConnectorSettings:
         return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt, secret=secret, encrypt=encrypt,
                    max_pending_bytes=pending, load_mode=load_mode)
 
-    def for_blocks(self, block_sizes: Mapping[int, int]) -> ConnectorSettings:
-        """These settings with the chunk size vLLM's block sizes (attention group -> tokens) allow: the one
-        given, which must be a multiple of each (else raised, with the smallest that would do), or
-        without one the smallest multiple of all of them that holds ``MIN_CHUNK_TOKENS`` tokens."""
+    def for_blocks(self, block_sizes: Mapping[int, int], *, states_on_block_grid: bool = False) -> ConnectorSettings:
+        """These settings with the chunk size vLLM's block sizes (KV-cache group -> tokens per block) allow:
+        the one given, which must be a multiple of each (else raised, with the smallest that would do),
+        or without one the smallest multiple of all of them that holds ``MIN_CHUNK_TOKENS`` tokens.
+
+        ``states_on_block_grid``: a recurrent group keeps its states on vLLM's block grid
+        (``mamba_cache_mode`` "align"), where vLLM has a state only where a prefill step ended (on a
+        block boundary) or that it exported there; a chunk of one grid step then ends wherever such a
+        state can be, so without a chunk size given the chunk is that step, however small.
+        """
         step = math.lcm(*block_sizes.values()) if block_sizes else 1
         if self.chunk_size == FOLLOW_BLOCKS:
-            return replace(self, chunk_size=round_up(MIN_CHUNK_TOKENS, step))
+            return replace(self, chunk_size=step if states_on_block_grid else round_up(MIN_CHUNK_TOKENS, step))
         bad = {group: size for group, size in block_sizes.items() if self.chunk_size % size}
         if bad:
             shown = ", ".join(f"group {group}: {size}" for group, size in sorted(bad.items()))
             raise ConnectorConfigError(
-                f"chunk_size {self.chunk_size} must be a multiple of every attention group's block size "
+                f"chunk_size {self.chunk_size} must be a multiple of every KV-cache group's block size "
                 f"({shown}); vLLM hands out whole blocks: the smallest chunk_size at least as large that works is "
                 f"{round_up(self.chunk_size, step)}, or leave chunk_size out to follow vLLM's block sizes"
             )

@@ -22,13 +22,36 @@ from kvgroups.store.prometheus import COUNTERS, HISTOGRAMS
 
 PREFIX = "vllm:kvgroups_"  # vLLM keeps and re-registers only metrics named vllm:*
 _MIB = float(1 << 20)
+# The scheduler side's own counts (a store counts the rest), exported beside the store's counters.
+CONNECTOR_COUNTERS = {
+    "continued_hits": "requests whose store hit continued a hit of vLLM's own prefix cache",
+    "continued_local_tokens": "of those requests' prompts, the tokens vLLM's own prefix cache served",
+    "continued_store_tokens": "of those requests' prompts, the tokens the store served after them",
+}
+
+
+@dataclass
+class ConnectorCounts:
+    """What the scheduler side counts itself (:data:`CONNECTOR_COUNTERS`), since it started."""
+
+    continued_hits: int = 0
+    continued_local_tokens: int = 0
+    continued_store_tokens: int = 0
+
+    def continued(self, local_tokens: int, store_tokens: int) -> None:
+        """A hit of ``store_tokens`` from the store planned after ``local_tokens`` of vLLM's own."""
+        self.continued_hits += 1
+        self.continued_local_tokens += local_tokens
+        self.continued_store_tokens += store_tokens
 
 
 class StatsReporter:
-    """The changes of one store's metrics since the previous :meth:`take` (None when nothing changed)."""
+    """The changes of one store's metrics (and the scheduler's own counts) since the previous :meth:`take`
+    (None when nothing changed)."""
 
-    def __init__(self, metrics: StoreMetrics) -> None:
+    def __init__(self, metrics: StoreMetrics, counts: ConnectorCounts | None = None) -> None:
         self.metrics = metrics
+        self.counts = counts
         for name in HISTOGRAMS:
             getattr(metrics, name).keep_recent()
         self._last: dict[str, int] = {}
@@ -41,6 +64,8 @@ class StatsReporter:
     def take(self) -> dict[str, Any] | None:
         metrics = self.metrics
         counters = {name: self._delta(name, getattr(metrics, name)) for name in COUNTERS}
+        if self.counts is not None:
+            counters.update({name: self._delta(name, getattr(self.counts, name)) for name in CONNECTOR_COUNTERS})
         hit_tokens = {tier: self._delta(f"hit:{tier}", tokens) for tier, tokens in metrics.hit_tokens_by_tier.items()}
         dropped = {reason: self._delta(f"dropped:{reason}", count)
                    for reason, count in metrics.dropped_by_reason.items()}
@@ -95,7 +120,8 @@ class KVGroupsConnectorStats(KVConnectorStats):
             values = seconds.get(name, [])
             if values:
                 reduced[f"{name.removesuffix('_seconds')}_ms_mean"] = round(1000 * sum(values) / len(values), 2)
-        for name in ("dropped_saves", "failed_reads", "failed_saves", "corrupt_entries"):
+        for name in ("continued_hits", "continued_local_tokens", "continued_store_tokens", "dropped_saves",
+                     "failed_reads", "failed_saves", "corrupt_entries"):
             if counters.get(name):
                 reduced[name] = counters[name]
         return reduced
@@ -111,7 +137,7 @@ class KVGroupsPromMetrics(KVConnectorPromMetrics):
         self._counters = {
             name: create_metric_per_engine(self._counter_cls(name=PREFIX + name, documentation=text,
                                                              labelnames=labelnames), per_engine_labelvalues)
-            for name, text in COUNTERS.items()}
+            for name, text in {**COUNTERS, **CONNECTOR_COUNTERS}.items()}
         self._histograms = {
             name: create_metric_per_engine(self._histogram_cls(name=PREFIX + name, documentation=text,
                                                                labelnames=labelnames, buckets=list(SECONDS_BUCKETS)),

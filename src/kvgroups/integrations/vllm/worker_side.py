@@ -44,7 +44,7 @@ from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import EngineGroup
 from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
-from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, state_block
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
 from kvgroups.integrations.vllm.stats import StatsReporter
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.entry_reads import EntryReader
@@ -219,17 +219,19 @@ class WorkerSide:
                         logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes "
                                        "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
                         return False
-                    self._write_entry(transfers[member], engine_group, entry, first, plan.local_tokens, block_ids)
+                    self._write_entry(transfers[member], engine_group, entry, first, plan, block_ids)
                     buffers.copied(index, self.load_stream.record())  # the buffer is refilled after this
         return True
 
     def _write_entry(self, transfer: KVTransfer, engine_group: EngineGroup, entry: torch.Tensor, first: int,
-                     local_tokens: int, block_ids: np.ndarray) -> None:
-        """Copy one entry (the chunk from token ``first``) into the request's blocks, on the current stream."""
+                     plan: LoadPlan, block_ids: np.ndarray) -> None:
+        """Copy one entry (the chunk from token ``first``) into the request's blocks, on the current stream:
+        a state into the block vLLM continues the request from, K/V past vLLM's own prefix-cache hit."""
         if not engine_group.token_indexed:
-            transfer.unpack([entry], state_indices=[state_block(block_ids)], synchronize=False)
+            block = engine_group.state_block(plan.block_ids[engine_group.index], plan.num_tokens)
+            transfer.unpack([entry], state_indices=[block], synchronize=False)
             return
-        positions = np.arange(max(first, local_tokens), first + self.chunk_size)
+        positions = np.arange(max(first, plan.local_tokens), first + self.chunk_size)
         slots = paged_slots(positions, block_ids, engine_group.block_size)
         # Tokens whose block is the null block have slid out of the window: nothing to write.
         kept = slots >= 0
@@ -267,7 +269,10 @@ class WorkerSide:
                 last = ceil_div(plan.num_tokens, engine_group.block_size)
                 blocks.update(ids[first:last])
             else:
-                blocks.update(ids[:1])
+                try:
+                    blocks.add(engine_group.state_block(ids, plan.num_tokens))
+                except KVGroupsError:  # the load failed on it too: every state block is suspect
+                    blocks.update(ids)
         blocks.discard(0)
         return blocks
 
