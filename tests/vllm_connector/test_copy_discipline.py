@@ -61,9 +61,13 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
         recorded.append((self.name, threading.current_thread().name, "record"))
         return DONE
 
+    def before_engine(self: CopyStream, completion: Any) -> None:
+        recorded.append((self.name, threading.current_thread().name, "the engine waits"))
+
     monkeypatch.setattr(CopyStream, "name", property(lambda self: getattr(self, "_name", "?")), raising=False)
     monkeypatch.setattr(CopyStream, "launching", launching)
     monkeypatch.setattr(CopyStream, "record", record)
+    monkeypatch.setattr(CopyStream, "before_engine", before_engine)
     return recorded
 
 
@@ -88,8 +92,10 @@ def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
     harness.run(first)
     engine = threading.current_thread().name
     saves = [launch for launch in launches if launch[0] == "save"]
-    # Each chunk: on the save stream, ordered after the engine's work, then an event for the writer.
+    # Each chunk: on the save stream, ordered after the engine's work, then an event for the writer; after a
+    # step's saves the engine's stream waits for them (the next forward may rewrite blocks they read).
     assert saves and saves[:2] == [("save", engine, "launch after the engine's work"), ("save", engine, "record")]
+    assert saves[-2:] == [("save", engine, "record"), ("save", engine, "the engine waits")]
     launches.clear()
     fresh = SchedulerHarness(config, kv)
     fresh.add("reuse", prompt(100))

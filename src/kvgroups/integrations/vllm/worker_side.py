@@ -289,6 +289,11 @@ class WorkerSide:
                 self._save(plan)
             except Exception:  # a save that fails costs a later miss, never this request
                 logger.exception("request %s: saving chunks %s failed", plan.request_id, list(plan.chunks))
+        if metadata.saves:
+            # vLLM may hand the blocks a save reads to another request at its next step (a finished
+            # request's, a window's, a state vLLM moves on from) and the next forward may write them:
+            # the engine's stream runs on only after this step's save copies (no thread waits).
+            self.save_stream.before_engine(self.save_stream.record())
 
     def _save(self, plan: SavePlan) -> None:
         store = self._bound_store()
