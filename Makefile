@@ -105,3 +105,4 @@ bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python benchmarks/reuse.py
 	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py
+	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32

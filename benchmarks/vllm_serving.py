@@ -8,7 +8,10 @@ is off, as in ``vllm_reuse.py`` (the limit of a KV space too small to keep histo
 ``--prefix-caching`` it is on, in ``--kv-mib`` of KV space, and evicts histories as it fills), so
 only the store has them. The model is ``models.LLAMA_LIKE`` (8 layers, hidden 1024, 8 KV heads,
 32 KiB of KV per token), block size 128, 4096 batched tokens per step, chunks of 256 tokens in a
-file store.
+file store; or with ``--model qwen3-next-like`` the hybrid ``models.QWEN3_NEXT_LIKE`` (6 gated
+DeltaNet and 2 full-attention layers, bfloat16, SSM states in float32) under vLLM's defaults:
+its prefix cache on (so recurrent states on vLLM's block grid), the block size vLLM picks and
+the connector's chunk following it.
 
 Sessions (each with prompts of its own): no connector (its own process); the connector serving
 hits; the connector with every request's loads turned off (all misses, saves on); vLLM's
@@ -34,8 +37,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-CHUNK = 256
 OFF_LOADS = {"kvgroups": {"load": False}}
+# Per model: how it is saved, the engine's settings, the connector's chunk (None: it follows vLLM's blocks),
+# and whether vLLM's prefix cache is on unless --prefix-caching says so.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-like": {"save": "save_llama_like", "engine": {"dtype": "float32", "block_size": 128}, "chunk": 256,
+                   "prefix_caching": False, "kv_bytes_per_token": 32 << 10},
+    "qwen3-next-like": {"save": "save_qwen3_next_like",
+                        "engine": {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}, "chunk": None,
+                        "prefix_caching": True, "kv_bytes_per_token": 2 * 2 * 4 * 128 * 2},
+}
 SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "request_finished", "request_finished_all_groups", "update_connector_output")
 
@@ -87,16 +98,17 @@ def engine_run(job: dict[str, Any]) -> None:
     clock = None
     if job["connector"] == "kvgroups":
         clock = SchedulerClock()
+        chunk = {"chunk_size": job["chunk"]} if job["chunk"] else {}
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"store": job["store"], "chunk_size": CHUNK},
+            kv_role="kv_both", kv_connector_extra_config={"store": job["store"], **chunk},
             kv_load_failure_policy="recompute")
     elif job["connector"] == "offloading":
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": 4 << 30})
     try:
-        llm = LLM(model=job["model"], dtype="float32", block_size=128, enforce_eager=True,
+        llm = LLM(model=job["model"], enforce_eager=True, **job["engine"],
                   enable_prefix_caching=job["prefix_caching"], kv_cache_memory_bytes=job["kv_mib"] << 20,
                   max_model_len=4096,
                   max_num_batched_tokens=4096, max_num_seqs=16, seed=0, skip_tokenizer_init=True, **extra)
@@ -188,21 +200,27 @@ def main() -> None:
     parser.add_argument("--question-tokens", type=int, default=240)
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--kv-mib", type=int, default=512, help="vLLM's own KV space (MiB)")
-    parser.add_argument("--prefix-caching", action="store_true", help="turn vLLM's own prefix cache on")
+    parser.add_argument("--model", choices=list(MODELS), default="llama-like")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="vLLM's own prefix cache (default: off for llama-like, on for the hybrid)")
     parser.add_argument("--repeats", type=int, default=2, help="sessions per variant, interleaved")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         engine_run(json.loads(Path(args.engine).read_text()))
         return
-    from models import save_llama_like
+    import models
 
+    model = MODELS[args.model]
+    if args.prefix_caching is None:
+        args.prefix_caching = model["prefix_caching"]
     job = {key: getattr(args, key) for key in ("users", "rounds", "system_tokens", "context_tokens",
                                                 "question_tokens", "answer_tokens", "kv_mib", "prefix_caching")}
+    job.update(engine=model["engine"], chunk=model["chunk"])
     with tempfile.TemporaryDirectory(prefix="kvgroups-vllm-serving-") as temporary:
         directory = Path(temporary)
-        save_llama_like(directory / "llama")
-        job["model"] = str(directory / "llama")
+        getattr(models, model["save"])(directory / "model")
+        job["model"] = str(directory / "model")
         kvgroups = spawn({**job, "connector": "kvgroups", "store": f"file://{directory}/kv", "sessions": [
             session for repeat in range(args.repeats) for session in (
                 {"name": "connector", "seed": 10 + 2 * repeat},
@@ -216,10 +234,11 @@ def main() -> None:
     for result in (plain, kvgroups, offloading):
         for session in result.get("sessions", []):
             by_name[session["name"]].append(session)
-    print(f"{args.users} users x {args.rounds} rounds: system prompt {args.system_tokens} tokens (shared), context "
-          f"{args.context_tokens}, questions {args.question_tokens}, answers {args.answer_tokens}; vLLM's prefix "
-          f"cache {'on' if args.prefix_caching else 'off'}, {args.kv_mib} MiB of KV "
-          f"({(args.kv_mib << 20) // (32 << 10)} tokens); medians over {args.repeats} sessions per variant\n")
+    print(f"{args.model}, {args.users} users x {args.rounds} rounds: system prompt {args.system_tokens} tokens "
+          f"(shared), context {args.context_tokens}, questions {args.question_tokens}, answers {args.answer_tokens}; "
+          f"vLLM's prefix cache {'on' if args.prefix_caching else 'off'}, {args.kv_mib} MiB of KV "
+          f"(attention K/V of {(args.kv_mib << 20) // model['kv_bytes_per_token']} tokens); medians over "
+          f"{args.repeats} sessions per variant\n")
     print("| variant | wall s | prompt tokens/s | output tokens/s | TTFT p50 s | TTFT p90 s | cached tokens / prompt "
           "tokens | connector ms per scheduler step (mean / p99) |")
     print("|---|---|---|---|---|---|---|---|")
