@@ -20,8 +20,8 @@ from kvgroups import KVLayerGroupsManager
 from kvgroups.core.layouts import KVLayout
 from kvgroups.datapath.transfer import pack, unpack
 from kvgroups.errors import UnsupportedCacheError
+from kvgroups.integrations.vllm.backends import check_backends
 from kvgroups.integrations.vllm.deployment import Deployment
-from kvgroups.integrations.vllm.engine_groups import check_backends
 from kvgroups.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings, model_identity
 from kvgroups.store import FileStore
 from tests.servers import running_server

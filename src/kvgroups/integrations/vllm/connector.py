@@ -28,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvgroups.integrations.vllm.backends import check_backends
 from kvgroups.integrations.vllm.deployment import Deployment
-from kvgroups.integrations.vllm.engine_groups import check_backends
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from kvgroups.integrations.vllm.scheduler_side import SchedulerSide
 from kvgroups.integrations.vllm.settings import ConnectorConfigError

@@ -186,7 +186,8 @@ def cpu_page_layout(spec: AttentionSpec) -> KVLayout:
     multiple of 16 but not of 32, else ``amx`` for bfloat16 with block sizes that are a multiple of
     32 on a CPU with AMX tiles. vLLM reads the model's dtype there, the spec holds the cache's: the
     two differ only for an fp8 cache, whose amx pages are another layout, refused by
-    :func:`check_backends` (it compares every layer's kernels with this choice at registration).
+    :func:`~kvgroups.integrations.vllm.backends.check_backends` (it compares every layer's kernels
+    with this choice at registration).
     """
     vec16 = spec.head_size % 32 != 0 and spec.head_size % 16 == 0
     if (not vec16 and spec.dtype == torch.bfloat16 and spec.block_size % 32 == 0
@@ -321,45 +322,3 @@ class EnginePlan:
         """Every layer's value as ``meta`` tensors of the shapes vLLM allocates."""
         block_sizes = {name: group.block_size for group in self.engine_groups for name in group.layer_names}
         return {name: plan.meta_value(num_blocks, block_sizes[name]) for name, plan in self.layers.items()}
-
-
-# Attention backends whose pages hold, per (block, head, token), the K row then the V row
-# (layout VLLM), read from their sources; MLA backends keep one latent row per token. The diff-KV
-# backends (MiMo-V2's keys of 192 and values of 128) write K rows of head_size then V rows of
-# head_size_v into the same view, and are the only ones that write values of their own size.
-DIFF_KV_BACKENDS = frozenset({"FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV"})
-GPU_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}) | DIFF_KV_BACKENDS
-MLA_BACKENDS = frozenset({"FLASHMLA", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
-# The CPU backend's kernel families whose page layouts were checked, by reading back what vLLM's
-# cache-writing op wrote (vec16 is what vLLM picks for head sizes that are a multiple of 16 but not
-# 32; amx packs bfloat16 pages as AMX tiles); the others (neon, vsx, vxe, rvv) are unchecked.
-CPU_ISAS = {KVLayout.VLLM_CPU: frozenset({"vec", "vec16"}), KVLayout.VLLM_CPU_AMX: frozenset({"amx"})}
-
-
-def check_backends(plan: EnginePlan, forward_context: Mapping[str, Any]) -> None:
-    """Raise unless every attention layer's backend (in vLLM's ``static_forward_context``) lays its
-    pages out as the plan's layout says."""
-    problems = []
-    for name, layer_plan in plan.layers.items():
-        if not layer_plan.token_indexed:
-            continue
-        layer = forward_context.get(name)
-        backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
-        if layer_plan.layout.is_cpu_page:
-            isa, expected = getattr(layer, "isa", None), CPU_ISAS[layer_plan.layout]
-            if backend != "CPU_ATTN" or isa not in expected:
-                checked = "; ".join(f"{', '.join(sorted(isas))} for {layout.value}"
-                                    for layout, isas in CPU_ISAS.items())
-                problems.append(f"{name}: backend {backend}, kernels {isa!r} for {layer_plan.dtype} pages planned as "
-                                f"{layer_plan.layout.value} (checked: CPU_ATTN with {checked})")
-        elif layer_plan.layout is KVLayout.MLA:
-            if backend not in MLA_BACKENDS:
-                problems.append(f"{name}: MLA backend {backend} (known: {', '.join(sorted(MLA_BACKENDS))})")
-        elif layer_plan.value_head_size is not None:
-            if backend not in DIFF_KV_BACKENDS:
-                problems.append(f"{name}: backend {backend} for values of another head size than keys (known: "
-                                f"{', '.join(sorted(DIFF_KV_BACKENDS))})")
-        elif backend not in GPU_BACKENDS:
-            problems.append(f"{name}: backend {backend} (known: {', '.join(sorted(GPU_BACKENDS))})")
-    if problems:
-        raise UnsupportedCacheError("KVGroupsConnector does not know the page layout of: " + "; ".join(problems[:4]))

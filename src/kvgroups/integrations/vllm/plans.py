@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvgroups.core.sizes import ceil_div
 from kvgroups.datapath.slots import paged_slots
+from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.engine_groups import STATE_MODES, EngineGroup
 
 
@@ -42,6 +44,23 @@ class LoadPlan:
     @property
     def tokens(self) -> np.ndarray:
         return np.frombuffer(self.token_bytes, dtype="<u4")
+
+    def blocks_written(self, engine_groups: Sequence[EngineGroup]) -> set[int]:
+        """The blocks this load writes (those a failed one leaves undefined): every attention group's past the
+        local hit, every recurrent group's state block."""
+        blocks: set[int] = set()
+        for engine_group in engine_groups:
+            ids = self.block_ids[engine_group.index]
+            if engine_group.token_indexed:
+                first = self.local_tokens // engine_group.block_size
+                blocks.update(ids[first:ceil_div(self.num_tokens, engine_group.block_size)])
+                continue
+            try:
+                blocks.add(engine_group.state_block(ids, self.num_tokens))
+            except KVGroupsError:  # the load failed on it too: every state block is suspect
+                blocks.update(ids)
+        blocks.discard(0)
+        return blocks
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from kvgroups.core.metadata import LMCacheMetadata
-from kvgroups.core.sizes import ceil_div
 from kvgroups.datapath.buffers import HostBufferPool, ReadBuffers
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.slots import paged_slots
@@ -170,7 +169,7 @@ class WorkerSide:
             # The forward that reads these blocks runs after the copies, on the GPU; nothing waits here.
             self.load_stream.before_engine(copies)
             if not loaded:
-                self._load_errors.update(self._planned_blocks(plan))
+                self._load_errors.update(plan.blocks_written(self.engine_groups))
 
     def _read_buffers(self) -> ReadBuffers:
         """Where one loading thread reads entries: pinned on a GPU, each refilled once copied from."""
@@ -258,23 +257,6 @@ class WorkerSide:
     def wait_for_loads(self, timeout: float | None = None) -> bool:
         """Wait until no asynchronous load runs (tests, shutdown); whether none does."""
         return self.loads.wait(timeout) if self.loads is not None else True
-
-    def _planned_blocks(self, plan: LoadPlan) -> set[int]:
-        """The blocks a failed load leaves undefined: every group's blocks past the local hit."""
-        blocks: set[int] = set()
-        for engine_group in self.engine_groups:
-            ids = plan.block_ids[engine_group.index]
-            if engine_group.token_indexed:
-                first = plan.local_tokens // engine_group.block_size
-                last = ceil_div(plan.num_tokens, engine_group.block_size)
-                blocks.update(ids[first:last])
-            else:
-                try:
-                    blocks.add(engine_group.state_block(ids, plan.num_tokens))
-                except KVGroupsError:  # the load failed on it too: every state block is suspect
-                    blocks.update(ids)
-        blocks.discard(0)
-        return blocks
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
