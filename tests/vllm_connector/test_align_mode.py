@@ -119,7 +119,9 @@ def test_a_hit_restores_the_state_into_the_block_vllm_continues_from(gemma3_dir:
     harness.add("reuse", tokens)
     admitted, computed, load = harness.admit(second, "reuse", forward=model)
     assert computed == 96 and (load.num_tokens, load.local_tokens) == (96, 0)
-    assert load.asynchronous is (load_mode == "async" or len(kinds) > 1)
+    # vLLM would recompute a failed synchronous load of a state on its grid from the block before it, whose
+    # state it does not hold: such a load is asynchronous (a failure recomputes the request from its start).
+    assert load.asynchronous
     assert not any(step.failed_loads or step.invalid_blocks for step in admitted)
     # The state lands where vLLM's model runner continues from ((96 - 1) // 16): block 5 of the group.
     state_ids = load.block_ids[mamba]
@@ -248,3 +250,15 @@ def test_the_chunk_follows_vllms_grid_of_states(gemma3_dir: Path, tmp_path: Path
     aligned = deployment(48, "align")
     assert aligned.settings.chunk_size == 48 and aligned.sparse_states and aligned.unservable is None
     assert not deployment(16, "align").sparse_states
+
+
+def test_a_synchronous_load_of_states_on_vllms_grid_loads_asynchronously(gemma3_dir: Path, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM recomputes a failed synchronous load from the first failed block: for a state on its grid that
+    is the block before the state, whose state vLLM does not hold (its table is null there). So even a
+    model of one recurrent group loads asynchronously, whose failure recomputes the request from 0."""
+    with caplog.at_level(logging.WARNING):
+        harness, _, _ = engine(gemma3_dir, file_store(tmp_path, chunk_size=None, load_mode="sync"), ["mamba"], seed=0)
+    assert harness.connector._scheduler.asynchronous
+    assert "load_mode 'sync' is not safe for this model (vLLM would recompute a failed synchronous load from the " \
+           "block before the state" in caplog.text

@@ -220,7 +220,8 @@ def test_sync_mode_loads_a_model_of_several_groups_asynchronously(gemma3_dir: Pa
     extra = file_store(tmp_path, load_mode="sync")
     fill(gemma3_dir, extra, ["sliding", "full"], tokens)
     harness, second = fresh(gemma3_dir, extra, ["sliding", "full"])
-    assert "load_mode 'sync' is not safe for this model's 2 KV-cache groups" in caplog.text
+    assert ("load_mode 'sync' is not safe for this model (vLLM cannot recompute a failed synchronous load of "
+            "2 KV-cache groups") in caplog.text
     harness.add("evicted", tokens)
     steps, computed, load = harness.admit(second, "evicted",
                                           before_load=lambda: FileStore(f"{tmp_path}/kv").clear())

@@ -79,10 +79,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def _warn_about_failures(self, policy: str) -> None:
         deployment = self.deployment
         if deployment.settings.load_mode == "sync" and deployment.load_asynchronously:
-            logger.warning(
-                "KVGroupsConnector: load_mode 'sync' is not safe for this model's %d KV-cache groups (vLLM cannot "
-                "recompute a failed synchronous load of several groups: it raises), so hits load asynchronously",
-                deployment.num_engine_groups)
+            logger.warning("KVGroupsConnector: load_mode 'sync' is not safe for this model (%s), so hits load "
+                           "asynchronously", deployment.sync_unsafe)
         if policy != "recompute" and deployment.is_consumer:
             how = ("the request is reported failed" if deployment.load_asynchronously
                    else "its blocks are reported failed")

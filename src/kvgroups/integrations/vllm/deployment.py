@@ -52,11 +52,17 @@ class Deployment:
         # Groups whose bytes are the same on every rank (MLA latents, a sparse indexer's keys: vLLM
         # replicates them): stored once, by rank 0 under its keys, and read from there by every rank.
         self.shared_groups = frozenset(index for index, group in enumerate(self.groups) if group.layout is KVLayout.MLA)
-        # vLLM recomputes a failed synchronous load block by block, which it refuses (raises) for a
-        # model of several KV-cache groups, whose block ids are per group: such models load
-        # asynchronously, whose failures are per request.
+        # vLLM recomputes a failed synchronous load block by block: it refuses (raises) for a model of
+        # several KV-cache groups, whose block ids are per group, and for states on its grid it would
+        # resume one block before the failed state, from a state it does not hold. Such models load
+        # asynchronously, whose failures are per request (recomputed from the start).
         self.num_engine_groups = len(kv_cache_config.kv_cache_groups)
-        self.load_asynchronously = self.settings.load_mode == "async" or self.num_engine_groups > 1
+        self.sync_unsafe = (
+            f"vLLM cannot recompute a failed synchronous load of {self.num_engine_groups} KV-cache groups (it raises)"
+            if self.num_engine_groups > 1 else
+            "vLLM would recompute a failed synchronous load from the block before the state, which it does not hold"
+            if on_grid else None)
+        self.load_asynchronously = self.settings.load_mode == "async" or self.sync_unsafe is not None
         # vLLM publishes KV events (--kv-events-config): the connector adds what the store holds.
         self.kv_events = bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False))
         self.is_producer = bool(transfer.is_kv_producer)
