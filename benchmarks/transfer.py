@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -44,17 +45,18 @@ def synchronize(device: torch.device) -> None:
 def interleaved(variants: dict[str, Action], iterations: int, device: torch.device) -> dict[str, list[float]]:
     """Seconds per iteration of each variant, run in turn so that noise hits all alike.
 
-    The order rotates each iteration: a variant run right after a multi-threaded torch copy
-    shares the cores with torch's threads, which spin on after it for a while, and would
-    otherwise always be the one that pays for it.
+    The order is shuffled each iteration (from a fixed seed): whatever one variant leaves behind
+    (torch's threads spinning on after a multi-threaded copy, caches and TLBs filled with its
+    memory) falls on a different variant each time, never always on the one that follows it.
     """
     for action in variants.values():
         action(0)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
+    order = random.Random(0)
     for iteration in range(1, iterations + 1):
-        shift = iteration % len(names)
-        for name in names[shift:] + names[:shift]:
+        order.shuffle(names)
+        for name in names:
             action = variants[name]
             synchronize(device)
             begin = time.perf_counter()

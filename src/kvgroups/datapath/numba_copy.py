@@ -24,8 +24,11 @@ from kvgroups.datapath.address_tables import StateTable, TokenTable, check_still
 from kvgroups.datapath.numba_intrinsics import (
     STREAMING_STORES,
     VECTOR_BYTES,
+    WIDE_ROWS,
+    WIDE_VECTOR_BYTES,
     copy_piece,
     copy_pieces,
+    copy_wide,
     move_element,
 )
 from kvgroups.datapath.slots import CallSlots
@@ -36,7 +39,8 @@ PARALLEL_MIN_BYTES = 4 * MIB
 STREAMING_MIN_BYTES = 4 * MIB
 # numba's workqueue threading layer must not run two parallel regions at once.
 _PARALLEL_LOCK = threading.Lock()
-_LOCKSTEP_MAX_BYTES = 8192  # runs up to this long are copied four at a time
+_LOCKSTEP_MAX_BYTES = 8192  # runs up to this long are copied in lockstep (into the cache too)
+_GROUP = WIDE_ROWS  # runs per work item
 
 
 @contextlib.contextmanager
@@ -81,12 +85,52 @@ def _token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: i
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _copy_quad(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int,
+def _copy_group(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int,
+                first: Any, offset: Any, length: Any, scatter: bool, streaming: bool, wide: int) -> None:
+    """Runs ``16g .. 16g + 15`` of one (plane, layer) where every run is short (``wide``: scattered rows),
+    all in lockstep when they are as long, a cache line of each in turn (``wide`` 2: with streaming
+    stores); else runs ``4g .. 4g + 3``."""
+    per_item = _GROUP if wide else 4
+    items = (first.shape[0] + per_item - 1) // per_item
+    plane = item // items
+    run = (item - plane * items) * per_item
+    if wide and run + _GROUP <= first.shape[0] and _same_lengths(length, run):
+        base = bases[plane]
+        at = chunk + (plane * num_tokens) * chunk_row_bytes
+        caches = (base + offset[run], base + offset[run + 1], base + offset[run + 2], base + offset[run + 3],
+                  base + offset[run + 4], base + offset[run + 5], base + offset[run + 6], base + offset[run + 7],
+                  base + offset[run + 8], base + offset[run + 9], base + offset[run + 10], base + offset[run + 11],
+                  base + offset[run + 12], base + offset[run + 13], base + offset[run + 14], base + offset[run + 15])
+        chunks = (at + first[run] * chunk_row_bytes, at + first[run + 1] * chunk_row_bytes,
+                  at + first[run + 2] * chunk_row_bytes, at + first[run + 3] * chunk_row_bytes,
+                  at + first[run + 4] * chunk_row_bytes, at + first[run + 5] * chunk_row_bytes,
+                  at + first[run + 6] * chunk_row_bytes, at + first[run + 7] * chunk_row_bytes,
+                  at + first[run + 8] * chunk_row_bytes, at + first[run + 9] * chunk_row_bytes,
+                  at + first[run + 10] * chunk_row_bytes, at + first[run + 11] * chunk_row_bytes,
+                  at + first[run + 12] * chunk_row_bytes, at + first[run + 13] * chunk_row_bytes,
+                  at + first[run + 14] * chunk_row_bytes, at + first[run + 15] * chunk_row_bytes)
+        if scatter:
+            copy_wide(caches, chunks, length[run] * row_bytes, wide == 2)
+        else:
+            copy_wide(chunks, caches, length[run] * row_bytes, wide == 2)
+        return
+    for quad in range(run, min(run + per_item, first.shape[0]), 4):
+        _copy_quad(plane, quad, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
+                   streaming)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _same_lengths(length: Any, run: int) -> bool:
+    for each in range(run + 1, run + _GROUP):  # noqa: SIM110 - numba compiles this loop, not a generator
+        if length[each] != length[run]:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _copy_quad(plane: int, run: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int,
                first: Any, offset: Any, length: Any, scatter: bool, streaming: bool) -> None:
-    """Runs ``4q .. 4q + 3`` of one (plane, layer): in lockstep when they are as long, else one by one."""
-    quads = (first.shape[0] + 3) // 4
-    plane = item // quads
-    run = (item - plane * quads) * 4
+    """Runs ``run .. run + 3`` of one (plane, layer): in lockstep when they are as long, else one by one."""
     base = bases[plane]
     rows = plane * num_tokens
     # Lockstep pays for streaming stores and for short runs (scattered rows); long runs into the
@@ -146,11 +190,12 @@ def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, chunk_row_by
 def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
                         offset: Any,
                         length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
-                        element_stride: int, scatter: bool, streaming: bool) -> None:
+                        element_stride: int, scatter: bool, streaming: bool, wide: int) -> None:
     if units == 1 and element_stride == element_bytes:
-        for item in range(bases.shape[0] * ((first.shape[0] + 3) // 4)):
-            _copy_quad(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
-                       streaming)
+        per_item = _GROUP if wide else 4
+        for item in range(bases.shape[0] * ((first.shape[0] + per_item - 1) // per_item)):
+            _copy_group(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
+                        streaming, wide)
     else:
         for item in range(bases.shape[0] * num_tokens):
             _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
@@ -161,11 +206,12 @@ def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int,
 def _copy_tokens_parallel(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
                           offset: Any,
                           length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
-                          element_stride: int, scatter: bool, streaming: bool) -> None:
+                          element_stride: int, scatter: bool, streaming: bool, wide: int) -> None:
     if units == 1 and element_stride == element_bytes:
-        for item in prange(bases.shape[0] * ((first.shape[0] + 3) // 4)):
-            _copy_quad(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
-                       streaming)
+        per_item = _GROUP if wide else 4
+        for item in prange(bases.shape[0] * ((first.shape[0] + per_item - 1) // per_item)):
+            _copy_group(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
+                        streaming, wide)
     else:
         for item in prange(bases.shape[0] * num_tokens):
             _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
@@ -198,6 +244,7 @@ class NumbaTokenCopier:
         self.tables = tables
         self.block_size = block_size
         self.num_threads = num_threads
+        self.wide = True  # scattered rows WIDE_ROWS at a time (else four)
         self.bases = [table.bases.numpy() for table in tables]
         # What every cache-side row address is a multiple of (bases and the strides between rows).
         self.cache_alignment = [
@@ -224,10 +271,15 @@ class NumbaTokenCopier:
             streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous
                          and (cache_alignment if scatter else chunk_at) % VECTOR_BYTES == 0
                          and table.row_bytes % VECTOR_BYTES == 0 and table.chunk_row_bytes % VECTOR_BYTES == 0)
+            # Scattered rows move WIDE_ROWS at a time, a cache line each: streaming stores need 64-byte rows.
+            wide_streaming = streaming and (cache_alignment if scatter else chunk_at) % WIDE_VECTOR_BYTES == 0 and (
+                table.row_bytes % WIDE_VECTOR_BYTES == 0 and table.chunk_row_bytes % WIDE_VECTOR_BYTES == 0)
+            short = bool(length.size) and int(length.max()) * table.row_bytes <= _LOCKSTEP_MAX_BYTES
+            wide = 0 if not (self.wide and short) or (streaming and not wide_streaming) else 2 if wide_streaming else 1
             arguments = (bases, chunk_at, call.num_tokens, table.row_bytes, table.chunk_row_bytes, first, offset,
                          length, table.units,
                          table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride, scatter,
-                         streaming)
+                         streaming, wide)
             if parallel:
                 with parallel_region():
                     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -266,10 +318,10 @@ def warm_up() -> None:
     first, offset, length = _token_runs(slots, 2, 64, 32, 32, True)
     for streaming in (False, STREAMING_STORES):
         _copy_tokens_serial(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4, False,
-                            streaming)
+                            streaming, 2 if streaming else 1)
         with parallel_region():
             _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4,
-                                  False, streaming)
+                                  False, streaming, 2 if streaming else 1)
     if not np.array_equal(source, target):
         raise RuntimeError("the numba copy kernel failed its warm-up copy")
     one = np.zeros(1, dtype=np.int64)

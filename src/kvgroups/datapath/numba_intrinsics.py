@@ -18,15 +18,17 @@ from numba.extending import intrinsic
 # x86 stores that bypass the cache (and the fence that orders them); elsewhere plain vector stores.
 STREAMING_STORES = platform.machine().lower() in ("x86_64", "amd64")
 VECTOR_BYTES = 32  # one AVX register
+WIDE_VECTOR_BYTES = 64  # a cache line: one AVX-512 register (two AVX ones where there is no AVX-512)
+WIDE_ROWS = 16  # scattered rows copied in lockstep
 
 
-def _row_copier(rows: int, streaming: bool) -> Any:
-    """An intrinsic copying ``rows`` runs of the same length at once, 32 bytes of each in turn.
+def _row_copier(rows: int, streaming: bool, vector_bytes: int = VECTOR_BYTES) -> Any:
+    """An intrinsic copying ``rows`` runs of the same length at once, ``vector_bytes`` of each in turn.
 
-    Copying several runs in lockstep keeps several cache misses in flight, which is what a
-    gather of scattered token rows is bound by. ``streaming`` stores bypass the cache (the
-    destination is written once and not read soon) and need 32-byte aligned destinations and
-    lengths; the caller checks that before choosing them.
+    Copying several runs in lockstep keeps several cache misses (and page walks) in flight, which
+    is what a gather of scattered token rows is bound by. ``streaming`` stores bypass the cache
+    (the destination is written once and not read soon) and need ``vector_bytes``-aligned
+    destinations and lengths; the caller checks that before choosing them.
     """
 
     @intrinsic
@@ -36,19 +38,19 @@ def _row_copier(rows: int, streaming: bool) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             targets, origins, count = args
             word = ir.IntType(64)
-            vector = ir.VectorType(word, VECTOR_BYTES // 8).as_pointer()
+            vector = ir.VectorType(word, vector_bytes // 8).as_pointer()
             target = [builder.extract_value(targets, row) for row in range(rows)]
             origin = [builder.extract_value(origins, row) for row in range(rows)]
-            steps = builder.udiv(count, ir.Constant(word, VECTOR_BYTES))
+            steps = builder.udiv(count, ir.Constant(word, vector_bytes))
             with cgutils.for_range(builder, steps) as loop:
-                offset = builder.mul(loop.index, ir.Constant(word, VECTOR_BYTES))
+                offset = builder.mul(loop.index, ir.Constant(word, vector_bytes))
                 values = [builder.load(builder.inttoptr(builder.add(at, offset), vector), align=1) for at in origin]
                 for at, value in zip(target, values, strict=True):
                     store = builder.store(value, builder.inttoptr(builder.add(at, offset), vector),
-                                          align=VECTOR_BYTES if streaming else 1)
+                                          align=vector_bytes if streaming else 1)
                     if streaming:
                         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-            done = builder.mul(steps, ir.Constant(word, VECTOR_BYTES))
+            done = builder.mul(steps, ir.Constant(word, vector_bytes))
             rest = builder.sub(count, done)
             for at, source in zip(target, origin, strict=True):
                 cgutils.raw_memcpy(
@@ -72,12 +74,25 @@ _stream_1 = _row_copier(1, streaming=STREAMING_STORES)
 _stream_4 = _row_copier(4, streaming=STREAMING_STORES)
 
 
+_copy_wide = _row_copier(WIDE_ROWS, streaming=False, vector_bytes=WIDE_VECTOR_BYTES)
+_stream_wide = _row_copier(WIDE_ROWS, streaming=STREAMING_STORES, vector_bytes=WIDE_VECTOR_BYTES)
+
+
 @njit(nogil=True, cache=True, inline="always")
 def copy_pieces(targets: Any, sources: Any, num_bytes: int, streaming: bool) -> None:
     if streaming:
         _stream_4(targets, sources, num_bytes)
     else:
         _copy_4(targets, sources, num_bytes)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def copy_wide(targets: Any, sources: Any, num_bytes: int, streaming: bool) -> None:
+    """:data:`WIDE_ROWS` runs in lockstep, a cache line of each in turn (streaming: 64-byte aligned)."""
+    if streaming:
+        _stream_wide(targets, sources, num_bytes)
+    else:
+        _copy_wide(targets, sources, num_bytes)
 
 
 @intrinsic
