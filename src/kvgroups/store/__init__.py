@@ -11,7 +11,7 @@ from kvgroups.store.files import FileStore
 from kvgroups.store.keys import chunk_namespace, prefix_keys
 from kvgroups.store.memory import MemoryStore
 from kvgroups.store.metrics import StoreMetrics, TierMetrics
-from kvgroups.store.prefixes import GroupPrefix, LoadedPrefix, StoredPrefix
+from kvgroups.store.prefixes import GroupPrefix, LoadedEntries, LoadedPrefix, StoredPrefix
 from kvgroups.store.redis_store import RedisStore
 from kvgroups.store.secret import StoreSecret
 from kvgroups.store.tiered import TieredStore
@@ -25,6 +25,7 @@ __all__ = [
     "FileStore",
     "GroupPrefix",
     "KVChunkStore",
+    "LoadedEntries",
     "LoadedPrefix",
     "MemoryStore",
     "RedisStore",

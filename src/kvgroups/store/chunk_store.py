@@ -21,11 +21,11 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import ByteStore, EntryTooLargeError
-from kvgroups.store.codec import CorruptEntryError, EntryInfo, check_tensor, decode_entry, encode_entry
+from kvgroups.store.codec import CorruptEntryError, EntryInfo, check_tensor, decode_entry, encode_entry, view_entry
 from kvgroups.store.health import Backoff, RateLimitedLog
 from kvgroups.store.keys import TokenIds, boundary_keys, checked_keys, chunk_namespace, prefix_keys, salt_bytes
 from kvgroups.store.metrics import REGISTRY, StoreMetrics
-from kvgroups.store.prefixes import LoadedPrefix, StoredPrefix, assemble, needed_chunks, stored_prefix
+from kvgroups.store.prefixes import LoadedEntries, LoadedPrefix, StoredPrefix, assemble, needed_chunks, stored_prefix
 from kvgroups.store.prometheus import install as install_prometheus
 from kvgroups.store.secret import StoreSecret
 from kvgroups.store.urls import StoreArg, open_store
@@ -259,6 +259,13 @@ class KVChunkStore:
         tensors, keys = self._read_boundary(token_ids, num_tokens, keys)
         return assemble(self.groups, tensors, len(keys), self.chunk_size)
 
+    def load_entries(self, token_ids: TokenIds | None, num_tokens: int, *,
+                     keys: Sequence[str] | None = None) -> LoadedEntries:
+        """:meth:`load` without putting the prefix together: every entry it needs, checked as ``load`` checks
+        them, as views of the values read (no copy), for a caller that copies each into its cache."""
+        tensors, keys = self._read_boundary(token_ids, num_tokens, keys, copy=False)
+        return LoadedEntries(num_tokens=len(keys) * self.chunk_size, entries=tensors)
+
     def verify(self, token_ids: TokenIds | None, num_tokens: int, *, keys: Sequence[str] | None = None) -> int:
         """The longest boundary up to ``num_tokens`` whose entries all read back whole: :meth:`load`, unassembled.
 
@@ -275,29 +282,31 @@ class KVChunkStore:
             raise KVGroupsError("pass token_ids or keys")
         return self.keys(token_ids)
 
-    def _read_boundary(self, token_ids: TokenIds | None, num_tokens: int,
-                       keys: Sequence[str] | None) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
-        """The entries at the longest readable boundary up to ``num_tokens``, and the keys up to it."""
+    def _read_boundary(self, token_ids: TokenIds | None, num_tokens: int, keys: Sequence[str] | None, *,
+                       copy: bool = True) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
+        """The entries at the longest readable boundary up to ``num_tokens`` (tensors of their own, or with
+        ``copy`` False views of the values read), and the keys up to it."""
         keys = boundary_keys(token_ids, keys, num_tokens, self.chunk_size, self.keys)
         begin = time.perf_counter()
-        tensors, keys = self._read_longest(keys)
+        tensors, keys = self._read_longest(keys, copy)
         self.stats.loaded(len(keys) * self.chunk_size, time.perf_counter() - begin)
         return tensors, keys
 
-    def _read_longest(self, keys: list[str]) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
+    def _read_longest(self, keys: list[str], copy: bool) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
         for _ in range(_LOAD_ATTEMPTS):
             if not keys or not self._backoff.available():  # an unavailable store serves no boundary
                 return {}, []
-            tensors = self._read(keys)
+            tensors = self._read(keys, copy)
             if tensors is not None:
                 return tensors, keys
             shorter = self._locate(keys[:-1], range(len(self.groups))).num_tokens if len(keys) > 1 else 0
             keys = keys[: shorter // self.chunk_size]
         return {}, []
 
-    def _read(self, keys: list[str]) -> dict[tuple[int, int], torch.Tensor] | None:
+    def _read(self, keys: list[str], copy: bool) -> dict[tuple[int, int], torch.Tensor] | None:
         """Every group's needed entries at boundary ``len(keys)``, by (group, chunk); None when one
         is bad, or the read fails."""
+        decode = decode_entry if copy else view_entry
         num_chunks = len(keys)
         wanted = [
             self.entry_info(keys[chunk], group, chunk)
@@ -317,7 +326,7 @@ class KVChunkStore:
                 whole = False
                 continue
             try:
-                tensors[info.group_index, info.chunk_index] = decode_entry(value, info, secret=self.secret)
+                tensors[info.group_index, info.chunk_index] = decode(value, info, secret=self.secret)
                 self.stats.bytes_read[info.group_index] += len(value)
             except CorruptEntryError as error:
                 whole = False

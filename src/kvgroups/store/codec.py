@@ -21,6 +21,7 @@ import json
 import math
 import struct
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,9 +177,10 @@ def decode_entry(data: bytes | bytearray | memoryview, expected: EntryInfo | Non
 
 def view_entry(data: bytes | bytearray | memoryview, expected: EntryInfo | None = None, *,
                secret: StoreSecret | None = None) -> torch.Tensor:
-    """:func:`decode_entry` without the copy: the tensor is a view of ``data`` (a writable buffer, which
-    the caller reuses only once it is done with the tensor), except for encrypted entries, whose
-    plaintext is new memory. Checked exactly as :func:`decode_entry` checks."""
+    """:func:`decode_entry` without the copy: the tensor is a view of ``data`` (a buffer the caller reuses
+    only once it is done with the tensor; a read-only one, such as ``bytes``, gives a tensor that must
+    only be read), except for encrypted entries, whose plaintext is new memory. Checked exactly as
+    :func:`decode_entry` checks."""
     return _checked(data, expected, secret, copy=False)
 
 
@@ -234,8 +236,12 @@ def _decode(view: memoryview, expected: EntryInfo | None, secret: StoreSecret | 
                 raise CorruptEntryError("entry does not decrypt: written without this secret, or changed since")
             return torch.frombuffer(bytearray(plaintext), dtype=torch.uint8).view(dtype).reshape(shape)
     if not copy:
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape) if payload.nbytes else \
-            torch.empty(shape, dtype=dtype)
+        if not payload.nbytes:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # A read-only value (a memory tier's bytes) makes a tensor its callers only read.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
     tensor = torch.empty(shape, dtype=dtype)
     _bytes_of(tensor)[:] = payload
     return tensor

@@ -40,6 +40,21 @@ class GroupPrefix:
 
 
 @dataclass(frozen=True)
+class LoadedEntries:
+    """What ``load_entries`` found: the first ``num_tokens`` tokens' entries (none for 0), each as
+    :class:`LoadedPrefix` would hold its chunk, by (group index, chunk index); they may be views of
+    the values read, which they keep alive, and are only read."""
+
+    num_tokens: int
+    entries: Mapping[tuple[int, int], torch.Tensor]
+
+    def chunks(self, group_index: int) -> list[tuple[int, torch.Tensor]]:
+        """Group ``group_index``'s entries, (chunk index, tensor), in order."""
+        return sorted(((chunk, tensor) for (group, chunk), tensor in self.entries.items() if group == group_index),
+                      key=lambda item: item[0])
+
+
+@dataclass(frozen=True)
 class LoadedPrefix:
     """What ``load`` found: the first ``num_tokens`` tokens' caches, one part per group (none for 0)."""
 

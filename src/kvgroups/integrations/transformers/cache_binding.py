@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -22,7 +21,7 @@ from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
 from kvgroups.integrations.transformers.cache_parts import Part, current_value, empty_value, install, read_parts
-from kvgroups.store.prefixes import LoadedPrefix
+from kvgroups.store.prefixes import LoadedEntries
 
 
 class BoundCache:
@@ -126,24 +125,31 @@ class CacheBinding:
         values = {part.name: current_value(part, cache) for part in self.parts}
         return BoundCache([self._transfer(index, values) for index in range(len(self.groups))], computed)
 
-    def restore(self, loaded: LoadedPrefix) -> Any:
-        """A fresh transformers cache holding the loaded prefix, as if it had been computed."""
+    def restore(self, loaded: LoadedEntries) -> Any:
+        """A fresh transformers cache holding the loaded prefix, as if it had been computed: each entry
+        copied once, straight into the cache's tensors."""
         cache = DynamicCache(config=self.config)
-        boundary = loaded.num_tokens
+        boundary, chunk_size = loaded.num_tokens, self.metadata.chunk_size
         values: dict[str, Any] = {}
-        for prefix in loaded.groups:
-            parts = self.group_parts[prefix.group_index]
+        for group_index, parts in enumerate(self.group_parts):
+            entries = loaded.chunks(group_index)
             if not parts[0].token_indexed:
                 fresh = {part.name: empty_value(part, 0, self.device) for part in parts}
-                _, transfer = self._transfer(prefix.group_index, fresh)
-                transfer.unpack([prefix.tensor.to(self.device).contiguous()], state_indices=[0])
+                _, transfer = self._transfer(group_index, fresh)
+                for _, state in entries:  # the one state at the boundary
+                    transfer.unpack([state.to(self.device).contiguous()], state_indices=[0])
             else:
                 # What the layers keep at the boundary: every token, or a sliding layer's window.
                 start, end = parts[0].spec.tokens_needed(boundary)
                 fresh = {part.name: empty_value(part, end - start, self.device) for part in parts}
-                _, transfer = self._transfer(prefix.group_index, fresh)
-                rows = prefix.rows(np.arange(start, end)).to(self.device)
-                transfer.unpack([rows], torch.arange(end - start, device=self.device))
+                _, transfer = self._transfer(group_index, fresh)
+                for chunk, tensor in entries:
+                    first = chunk * chunk_size
+                    low, high = max(first, start), min(first + chunk_size, end)
+                    rows = tensor if (low, high) == (first, first + chunk_size) else \
+                        tensor[:, :, low - first:high - first].contiguous()
+                    transfer.unpack([rows.to(self.device)], torch.arange(low - start, high - start,
+                                                                         device=self.device))
             values.update(fresh)
         install(self.parts, values, cache, boundary)
         return cache

@@ -21,7 +21,7 @@ from kvgroups.datapath.kernels import warm_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.transformers.cache_binding import CacheBinding
 from kvgroups.integrations.transformers.support import check_supported, model_identity
-from kvgroups.store import KVChunkStore, LoadedPrefix, StoreSecret
+from kvgroups.store import KVChunkStore, LoadedEntries, StoreSecret
 from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.keys import token_array
 from kvgroups.store.metrics import StoreMetrics
@@ -116,7 +116,8 @@ class PrefixCache:
         # Look up and load: at least one token is computed, for the logits.
         limit = (total - 1) // chunk
         boundary = self.chunk_store.lookup(None, keys=keys[:limit]) if limit else 0
-        loaded = self.chunk_store.load(None, boundary, keys=keys) if boundary else LoadedPrefix(num_tokens=0)
+        loaded = self.chunk_store.load_entries(None, boundary, keys=keys) if boundary else \
+            LoadedEntries(num_tokens=0, entries={})
         # Restore.
         cache = self.binding.restore(loaded) if loaded.num_tokens else DynamicCache(config=self.model.config)
         position = loaded.num_tokens
