@@ -166,11 +166,72 @@ def engine_run(model: str, store: str | None, rounds: int, out: str, extra_confi
     Path(out).write_text(json.dumps(results))
 
 
+def hits_run(model: str, store: str, rounds: int, out: str, extra_config: dict[str, Any]) -> None:
+    """In a fresh process: an engine with vLLM's prefix cache on and the connector; per round, interleaved,
+    the TTFT of a 2048-token prompt whose first 1792 tokens come from the store (vLLM's own cache
+    emptied first, the store holding them), from vLLM's own prefix cache (the same prefix again),
+    and computed (a fresh prompt, the connector off for it)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from kvgroups.integrations.vllm import flush_saves
+
+    llm = LLM(model=model, dtype="float32", block_size=128, enforce_eager=True, enable_prefix_caching=True,
+              max_model_len=PROMPT + CHUNK, max_num_batched_tokens=4096, max_num_seqs=16, seed=0,
+              skip_tokenizer_init=True, kv_transfer_config=KVTransferConfig(
+                  kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups.integrations.vllm",
+                  kv_role="kv_both", kv_connector_extra_config={"store": store, "chunk_size": CHUNK, **extra_config},
+                  kv_load_failure_policy="recompute"))
+    fresh = iter(range(1000, 10**6))
+
+    def ttft(prompt: list[int], transfer: Any = None) -> tuple[float, int]:
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                extra_args={"kv_transfer_params": transfer} if transfer else None)
+        begin = time.perf_counter()
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.perf_counter() - begin, int(output.num_cached_tokens or 0)
+
+    results: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+    ttft(tokens(next(fresh), PROMPT), OFF)  # warm-up
+    for round_ in range(rounds):
+        shared = tokens(10 + round_, SHARED)
+        ttft(shared + tokens(next(fresh), PROMPT - SHARED))  # computed and stored
+        llm.collective_rpc(flush_saves)
+        llm.reset_prefix_cache()  # vLLM's own cache forgets it: only the store holds the prefix now
+        prompts = {"store hit": (shared + tokens(next(fresh), PROMPT - SHARED), None),
+                   "vLLM prefix cache": (shared + tokens(next(fresh), PROMPT - SHARED), None),
+                   "computed": (tokens(next(fresh), PROMPT), OFF)}
+        # The store hit must come first (it fills vLLM's cache); the computed one is run before or after it.
+        order = ["store hit", "vLLM prefix cache", "computed"] if round_ % 2 else \
+            ["computed", "store hit", "vLLM prefix cache"]
+        for name in order:
+            results[name].append(ttft(*prompts[name]))
+    Path(out).write_text(json.dumps(results))
+
+
+def report_hits(by_mode: dict[str, dict[str, list[list[float]]]], rounds: int) -> None:
+    print(f"vLLM CPU engine, llama-like model, block 128, vLLM's prefix cache on; a 2048-token prompt, 1792 tokens "
+          f"cached; medians of {rounds} rounds per engine (each load mode in an engine of its own)\n")
+    print("| load mode | served from | TTFT s | cached tokens | vs vLLM's prefix cache (paired) | "
+          "vs computed (paired) |")
+    print("|---|---|---|---|---|---|")
+    for mode, results in by_mode.items():
+        local = [seconds for seconds, _ in results["vLLM prefix cache"]]
+        computed = [seconds for seconds, _ in results["computed"]]
+        for name in ("store hit", "vLLM prefix cache", "computed"):
+            runs = results[name]
+            seconds = [value for value, _ in runs]
+            vs_local = median([value / base for value, base in zip(seconds, local, strict=True)])
+            vs_computed = median([value / base for value, base in zip(seconds, computed, strict=True)])
+            print(f"| {mode} | {name} | {median(seconds):.3f} | {median([cached for _, cached in runs]):.0f} | "
+                  f"{vs_local:.2f}x | {vs_computed:.2f}x |")
+
+
 def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str,
-          extra_config: dict[str, Any], kv_events: bool = False) -> dict[str, Any]:
+          extra_config: dict[str, Any], kv_events: bool = False, hits: bool = False) -> dict[str, Any]:
     out = directory / f"{name}.json"
     command = [sys.executable, __file__, "--engine", "--model", model, "--rounds", str(rounds), "--out", str(out),
-               "--extra-config", json.dumps(extra_config)]
+               "--extra-config", json.dumps(extra_config)] + (["--hits"] if hits else [])
     if kv_events:
         command += ["--kv-events", f"ipc://{directory}/{name}-kv-events"]
     if store is not None:
@@ -244,9 +305,15 @@ def main() -> None:
     parser.add_argument("--extra-config", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--kv-events", nargs="?", const="on", default=None,
                         help="the connector's engine publishes vLLM's KV events (over ZMQ, to a socket nobody reads)")
+    parser.add_argument("--hits", action="store_true",
+                        help="only a store hit (loaded asynchronously, then synchronously) against vLLM's own prefix "
+                             "cache serving the same tokens")
     args = parser.parse_args()
     if args.engine:
-        engine_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config), args.kv_events)
+        if args.hits:
+            hits_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config))
+        else:
+            engine_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config), args.kv_events)
         return
     from models import save_llama_like
 
@@ -257,6 +324,11 @@ def main() -> None:
         # Room for the 8448-token prompt of the 256 MiB prefix (rotary positions have no table limit).
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+        if args.hits:
+            report_hits({mode: spawn(str(model), f"file://{directory}/kv-{mode}", args.rounds, directory,
+                                     f"hits-{mode}", {"load_mode": mode}, hits=True)
+                         for mode in ("async", "sync")}, args.rounds)
+            return
         connector = spawn(str(model), f"file://{directory}/kv", args.rounds, directory, "connector",
                           {"load_mode": args.load_mode}, kv_events=args.kv_events is not None)
         plain = spawn(str(model), None, args.rounds, directory, "plain", {})

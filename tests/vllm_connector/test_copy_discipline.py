@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,47 @@ def test_a_load_is_reported_only_once_its_copies_completed() -> None:
     loads.wait(timeout=10)
     assert loads.take() == ({"raised"}, {"raised"})
     loads.close()
+
+
+def test_a_step_that_computes_nothing_waits_for_a_load_not_longer() -> None:
+    """An engine whose every request waits for a load would otherwise loop on empty steps as fast as it
+    can (holding the interpreter's lock the loading thread needs): such a step waits until a load ends,
+    at most a bounded time, and returns at once when one has."""
+    from kvgroups.integrations.vllm.worker_side import IDLE_WAIT_SECONDS
+
+    loads = BackgroundLoads(bytearray, threads=1)
+    release = threading.Event()
+
+    def slow(buffer: Any) -> tuple[bool, Any]:
+        release.wait(10)
+        return True, DONE
+
+    loads.submit("slow", slow)
+    begin = time.perf_counter()
+    loads.wait_for_one(IDLE_WAIT_SECONDS)  # nothing ends: the bound
+    assert IDLE_WAIT_SECONDS * 0.9 <= time.perf_counter() - begin < IDLE_WAIT_SECONDS + 1
+    threading.Timer(0.01, release.set).start()
+    begin = time.perf_counter()
+    loads.wait_for_one(10)  # ends as soon as the load does
+    assert time.perf_counter() - begin < 5 and loads.take() == ({"slow"}, set())
+    begin = time.perf_counter()
+    loads.wait_for_one(10)  # no load runs: at once
+    assert time.perf_counter() - begin < 1
+    loads.close()
+
+
+def test_the_plans_say_when_a_step_computes_nothing(gemma3_dir: Path, tmp_path: Path) -> None:
+    extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
+    kv = cache_config(["sliding", "full"])
+    config = vllm_config(gemma3_dir, extra)
+    first = FakeWorker(config, kv, seed=0)
+    filler = SchedulerHarness(config, kv)
+    filler.add("fill", prompt(100))
+    assert not filler.run(first)[0].metadata.idle
+    harness = SchedulerHarness(config, kv)
+    harness.add("reuse", prompt(100))
+    steps, _, load = harness.admit(FakeWorker(config, kv, seed=1), "reuse")
+    assert load.asynchronous and steps[0].metadata.idle and not steps[-1].metadata.idle
 
 
 @pytest.fixture

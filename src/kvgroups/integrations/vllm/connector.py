@@ -142,7 +142,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        finished, failed = self._worker.finished_loads()
+        plans = self._plans()
+        finished, failed = self._worker.finished_loads(idle=plans is not None and plans.idle)
         # A failed load is reported finished too: vLLM then recomputes the request and frees its blocks.
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 

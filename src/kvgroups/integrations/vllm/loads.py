@@ -87,6 +87,15 @@ class BackgroundLoads:
             self._finished, self._failed = set(), set()
         return finished, failed
 
+    def wait_for_one(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds until some load has ended (at once when one has, or none runs).
+
+        For an engine step with nothing to compute: without it the engine loops on empty steps as fast
+        as it can, holding the interpreter's lock the loading threads need between their copies.
+        """
+        with self._lock:
+            self._idle.wait_for(lambda: self._copying or self._finished or not self._running, timeout)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no load runs and every load's copies are done (up to ``timeout`` seconds for the
         loads); whether none runs."""

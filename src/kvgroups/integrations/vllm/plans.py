@@ -118,6 +118,7 @@ class SavePlan:
 class KVGroupsConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing (every request waits, for a load or a lookup)
 
 
 def request_salt(request: Any) -> str | None:

@@ -176,7 +176,7 @@ class SchedulerSide:
 
     # --- plans ------------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> KVGroupsConnectorMetadata:
-        metadata = KVGroupsConnectorMetadata()
+        metadata = KVGroupsConnectorMetadata(idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         # Asynchronous loads are not scheduled this step (their requests wait for them): each plan
         # carries its blocks.
         for request_id in self._async_loads:

@@ -50,6 +50,10 @@ from kvgroups.store.entry_reads import EntryReader
 
 logger = logging.getLogger(__name__)
 
+# How long a step that computed nothing waits for an asynchronous load to end (the engine's next step
+# starts at once when one does); bounded, so that new requests are admitted as before.
+IDLE_WAIT_SECONDS = 0.05
+
 class WorkerSide:
     """One worker's caches bound to its rank's chunk store."""
 
@@ -161,7 +165,10 @@ class WorkerSide:
                            self.rank, len(metadata.loads))
         for plan in metadata.loads:
             if plan.asynchronous:
-                self._background_loads().submit(plan.request_id, partial(self._launch, plan, self.load_transfers))
+                # Beside a forward a load copies on one thread; in a step that computes nothing (every
+                # request waits) on all of them.
+                transfers = self.transfers if metadata.idle else self.load_transfers
+                self._background_loads().submit(plan.request_id, partial(self._launch, plan, transfers))
                 continue
             if self._sync_buffers is None:
                 self._sync_buffers = self._read_buffers()
@@ -250,9 +257,17 @@ class WorkerSide:
             raise KVGroupsError("register_kv_caches was not called before the first load")
         return self.loads
 
-    def finished_loads(self) -> tuple[set[str], set[str]]:
-        """Requests whose asynchronous loads ended since the last call, and those of them that failed."""
-        return self.loads.take() if self.loads is not None else (set(), set())
+    def finished_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads ended since the last call, and those of them that failed.
+
+        ``idle``: this step computed nothing, so the engine has nothing to do but wait for them: wait
+        up to :data:`IDLE_WAIT_SECONDS` for one to end, rather than hand back an empty step at once.
+        """
+        if self.loads is None:
+            return set(), set()
+        if idle:
+            self.loads.wait_for_one(IDLE_WAIT_SECONDS)
+        return self.loads.take()
 
     def wait_for_loads(self, timeout: float | None = None) -> bool:
         """Wait until no asynchronous load runs (tests, shutdown); whether none does."""
