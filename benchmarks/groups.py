@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import kvgroups
+from unmeasured import Unmeasured
 
 CASES = ((32, 1), (128, 8), (1000, 64))
 
@@ -78,14 +79,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
+    unmeasured, missing = Unmeasured(), ""
     try:
         reference: Any = importlib.import_module("lmcache.v1.kv_layer_groups").KVLayerGroupsManager
         # LMCache logs every build at INFO to stderr; silence it so its timing is not our I/O.
         logging.getLogger("lmcache").setLevel(logging.WARNING)
         logging.getLogger("lmcache.v1.kv_layer_groups").setLevel(logging.WARNING)
-    except ImportError:
+    except ImportError as error:
         reference = None
-        print("LMCache not importable: showing kvgroups only (pip install --no-deps lmcache==0.4.1)")
+        missing = f"LMCache not importable ({error}; pip install --no-deps lmcache==0.4.1)"
     header = (
         "| layers | groups | build µs (ours) | build µs (LMCache) | build ratio | "
         "lookup by index ns (ours / LMCache) | speedup | lookup by name ns (ours / LMCache) | speedup |"
@@ -104,6 +106,7 @@ def main() -> None:
                 f"| {num_layers} | {num_groups} | {ours['build'] * 1e6:.0f} | - | - | "
                 f"{ours['index'] * 1e9:.0f} / - | - | {ours['name'] * 1e9:.0f} / - | - |"
             )
+            print(unmeasured.row(f"LMCache, {num_layers} layers", missing, columns=9))
             continue
         theirs = {action: statistics.median(values) for action, values in times["lmcache"].items()}
 
@@ -118,6 +121,8 @@ def main() -> None:
             f"{ours['index'] * 1e9:.0f} / {theirs['index'] * 1e9:.0f} | {ratio('index'):.1f}x | "
             f"{ours['name'] * 1e9:.0f} / {theirs['name'] * 1e9:.0f} | {ratio('name'):.1f}x |"
         )
+    unmeasured.exit()
+
 
 if __name__ == "__main__":
     main()

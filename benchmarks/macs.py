@@ -31,6 +31,10 @@ import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESGCMSIV, AESOCB3, ChaCha20Poly1305
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from unmeasured import Unmeasured
+
+MISSING: dict[str, str] = {}  # the candidates that could not run here, and why
+
 
 def candidates(data: memoryview) -> dict[str, Callable[[], object]]:
     key, nonce = os.urandom(32), os.urandom(12)
@@ -68,7 +72,8 @@ def candidates(data: memoryview) -> dict[str, Callable[[], object]]:
     }
     try:
         import blake3  # type: ignore[import-not-found]
-    except ImportError:
+    except ImportError as error:
+        MISSING["keyed BLAKE3"] = f"blake3 not importable ({error}; pip install blake3)"
         return functions
     functions["keyed BLAKE3, 1 thread"] = lambda: blake3.blake3(data, key=key).digest()
     functions["keyed BLAKE3, all cores"] = lambda: blake3.blake3(data, key=key, max_threads=blake3.blake3.AUTO).digest()
@@ -96,6 +101,10 @@ def main() -> None:
     for name, values in times.items():
         ratio = statistics.median(value / base for value, base in zip(values, gmac, strict=True))
         print(f"| {name} | {statistics.median(values) * 1e3:.3f} | {ratio:.2f} |")
+    unmeasured = Unmeasured()
+    for name, reason in MISSING.items():
+        print(unmeasured.row(name, reason, columns=3))
+    unmeasured.exit()
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from kvgroups.store.codec import view_entry
 from kvgroups.store.metrics import Histogram, StoreMetrics
 from models import gemma3_like, llama_like
 from servers import local_cluster, local_redis
+from unmeasured import Unmeasured
 
 PROMPT, SHARED, CHUNK = 4096, 3840, 256
 
@@ -160,9 +161,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root, local_redis(Path(root) / "server") as redis_url, \
             local_cluster(Path(root) / "cluster") as cluster_url:
         urls = {"memory": "memory://?max_bytes=4GiB", "file": f"file://{root}/kv"}
-        if redis_url and cluster_url:
-            urls["Valkey/Redis"] = redis_url
-            urls["a Valkey/Redis Cluster (3 masters, 3 replicas)"] = cluster_url
+        servers = {"Valkey/Redis": redis_url, "a Valkey/Redis Cluster (3 masters, 3 replicas)": cluster_url}
+        urls.update({tier: url for tier, url in servers.items() if url})
+        missing = [tier for tier, url in servers.items() if not url]
         caches = {tier: PrefixCache(model, url, chunk_size=CHUNK) for tier, url in urls.items()}
         for cache in caches.values():
             cache.prefill(stored)
@@ -198,6 +199,9 @@ def main() -> None:
         ttft = statistics.median(reuse[tier])
         pairs = statistics.median(r / t for r, t in zip(reuse["recompute"], reuse[tier], strict=True))
         print(f"| reuse from {tier} | {reused[tier]} | {ttft:.2f} | {pairs:.1f}x |")
+    unmeasured = Unmeasured()
+    for tier in missing:
+        print(unmeasured.row(f"reuse from {tier}", "no valkey-server or redis-server installed", columns=4))
     print(f"\nA hit's time to first token taken apart ({SHARED} tokens reused, {PROMPT - SHARED} computed), "
           f"medians of {args.rounds} rounds; the entry bytes moved, and a torch copy_ of as many bytes\n")
     print("| part | memory ms | file ms | MiB/s (memory / file) |")
@@ -249,6 +253,7 @@ def main() -> None:
     print(f"\nGemma-3-like (5 sliding layers, window 1024, per full layer): reusing {result.reused_tokens} tokens read "
           f"{read / 2**20:.1f} MiB from the store; every layer's chunks of that prefix are {every / 2**20:.1f} MiB "
           f"({read / every:.2f} of them)")
+    unmeasured.exit()
 
 
 if __name__ == "__main__":

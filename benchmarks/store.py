@@ -35,8 +35,10 @@ import redis
 from kvgroups.core.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
 from servers import installed_server, local_redis, running_cluster, running_server
+from unmeasured import Unmeasured
 
 Action = Callable[[int], object]
+UNMEASURED = Unmeasured()  # what this run could not measure (a row each; the run then exits 1)
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -120,7 +122,8 @@ def file_rows(directory: Path, size: int, iterations: int) -> list[str]:
 def redis_rows(directory: Path, size: int, iterations: int) -> list[str]:
     with local_redis(directory) as url:
         if url is None:
-            return [f"| redis | {size // MIB} MiB | - | no valkey-server or redis-server installed | | | | |"]
+            return [UNMEASURED.row(f"redis, {size // MIB} MiB", "no valkey-server or redis-server installed",
+                                   columns=8)]
         store = open_store(url)
         client = store._client  # type: ignore[attr-defined]  # the same client, without kvgroups around it
         return measure("redis", store.put, store.get, client.set, client.get, size, iterations, keys=16)  # type: ignore[arg-type]
@@ -202,7 +205,8 @@ def server_rows(root: Path, rounds: int) -> list[str]:
     holding its key, which replicates what it is sent as ours do), run in turn, round after round;
     ratios are medians over the rounds of ours / the anchor's rate in the same round."""
     if shutil.which("redis-benchmark") is None or installed_server() is None:
-        return ["| - | - | - | no redis-benchmark or server installed | |"]
+        return [UNMEASURED.row("the Redis tier against redis-benchmark", "no redis-benchmark or server installed",
+                               columns=5)]
     rows: dict[tuple[str, str, int], list[float]] = {}
     rates: dict[tuple[str, str, int], list[float]] = {}
     with running_server(root / "server") as server, running_cluster(root / "cluster") as cluster:
@@ -272,6 +276,7 @@ def main() -> None:
             print("|---|---|---|---|---|")
             for line in server_rows(Path(tempfile.mkdtemp(dir=root)), args.server_rounds):
                 print(line, flush=True)
+    UNMEASURED.exit()
 
 
 if __name__ == "__main__":

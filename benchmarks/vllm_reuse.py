@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unmeasured import Unmeasured
+
 PROMPT, SHARED, BIG, CHUNK, BATCH, OUTPUT_TOKENS = 2048, 1792, 8192, 256, 12, 8
 OFF = {"kvgroups": {"load": False, "save": False}}
 KV_BYTES_PER_TOKEN = 8 * 2 * 512 * 4  # layers x (K, V) x 8 KV heads of 64 x float32
@@ -243,7 +245,12 @@ def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str
     completed = subprocess.run(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                check=False)
     if completed.returncode:
-        raise SystemExit(f"the {name} engine failed:\n{completed.stderr[-6000:]}")
+        # Nothing of this benchmark can be measured without its engines: a row saying why, and exit 1.
+        print(f"the {name} engine failed:\n{completed.stderr[-6000:]}", file=sys.stderr)
+        lines = [line for line in completed.stderr.splitlines() if line.strip()] or ["no output"]
+        unmeasured = Unmeasured()
+        print("| engine | result |\n|---|---|\n" + unmeasured.row(name, f"exited {completed.returncode}: {lines[-1]}"))
+        unmeasured.exit()
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 OFF_LOADS = {"kvgroups": {"load": False}}
+# What vLLM's OffloadingConnector raises on vLLM's CPU platform (vllm/v1/kv_offload/cpu/spec.py).
+OFFLOADING_REFUSES_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 # Per model: how it is saved, the engine's settings, the connector's chunk (None: it follows vLLM's blocks),
 # and whether vLLM's prefix cache is on unless --prefix-caching says so.
 MODELS: dict[str, dict[str, Any]] = {
@@ -112,7 +114,7 @@ def engine_run(job: dict[str, Any]) -> None:
                   enable_prefix_caching=job["prefix_caching"], kv_cache_memory_bytes=job["kv_mib"] << 20,
                   max_model_len=4096,
                   max_num_batched_tokens=4096, max_num_seqs=16, seed=0, skip_tokenizer_init=True, **extra)
-    except Exception as error:  # OffloadingConnector on the CPU platform: say why it does not run
+    except Exception as error:  # an engine that does not start: its sessions are rows saying why
         Path(job["out"]).write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
         return
     engine = llm.llm_engine
@@ -180,8 +182,10 @@ def spawn(job: dict[str, Any], directory: Path, name: str) -> dict[str, Any]:
                    "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run([sys.executable, __file__, "--engine", str(path)], env=environment,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
-    if completed.returncode:
-        raise SystemExit(f"the {name} engine failed:\n{completed.stderr[-6000:]}")
+    if completed.returncode or not Path(job["out"]).exists():
+        lines = [line for line in completed.stderr.splitlines() if line.strip()] or ["no output"]
+        print(f"the {name} engine failed:\n{completed.stderr[-6000:]}", file=sys.stderr)
+        return {"error": f"the engine exited {completed.returncode}: {lines[-1]}"}
     result: dict[str, Any] = json.loads(Path(job["out"]).read_text())
     return result
 
@@ -210,6 +214,7 @@ def main() -> None:
         engine_run(json.loads(Path(args.engine).read_text()))
         return
     import models
+    from unmeasured import Unmeasured
 
     model = MODELS[args.model]
     if args.prefix_caching is None:
@@ -231,9 +236,12 @@ def main() -> None:
         offloading = spawn({**job, "connector": "offloading", "sessions": [{"name": "offloading", "seed": 10}]},
                            directory, "offloading")
     by_name: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for result in (plain, kvgroups, offloading):
+    not_run: dict[str, str] = {}
+    for result, names in ((plain, ["no connector"]), (kvgroups, ["connector", "connector, loads off (all miss)"])):
         for session in result.get("sessions", []):
             by_name[session["name"]].append(session)
+        if "error" in result:
+            not_run.update(dict.fromkeys(names, result["error"]))
     print(f"{args.model}, {args.users} users x {args.rounds} rounds: system prompt {args.system_tokens} tokens "
           f"(shared), context {args.context_tokens}, questions {args.question_tokens}, answers {args.answer_tokens}; "
           f"vLLM's prefix cache {'on' if args.prefix_caching else 'off'}, {args.kv_mib} MiB of KV "
@@ -251,8 +259,14 @@ def main() -> None:
               f"{sessions[0]['output_tokens'] / wall:.1f} | {percentile(ttfts, 0.5):.2f} | "
               f"{percentile(ttfts, 0.9):.2f} "
               f"| {sessions[0]['cached_tokens'] / sessions[0]['prompt_tokens']:.2f} | {clock} |")
+    unmeasured = Unmeasured()
+    for name, error in not_run.items():
+        print(unmeasured.row(name, error, columns=8))
     if "error" in offloading:
-        print(f"| vLLM OffloadingConnector (CPU tier) | does not start on vLLM's CPU platform: {offloading['error']} |")
+        # vLLM's own CPU tier refuses vLLM's CPU platform (its spec.py); any other failure is one.
+        print(unmeasured.row("vLLM OffloadingConnector (CPU tier)", offloading["error"], columns=8,
+                             available_elsewhere=OFFLOADING_REFUSES_CPU in offloading["error"]))
+    unmeasured.exit()
 
 
 if __name__ == "__main__":
