@@ -81,8 +81,8 @@ def choose_kernel(device: torch.device, requested: str | None = None) -> str:
 
 
 def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequence[Tensors],
-                 num_threads: int | None, value_head_size: int | None = None) -> tuple[str, Copier]:
-    """The copier of one token-indexed group, and the kernel it uses."""
+                 num_threads: int | None, value_head_size: int | None = None, num_slots: int = 0) -> tuple[str, Copier]:
+    """The copier of one token-indexed group (of ``num_slots`` token slots), and the kernel it uses."""
     if layout is KVLayout.VLLM_CPU_AMX and kernel == "numba":
         table = amx_table(layers)
         if table is not None:
@@ -91,9 +91,12 @@ def token_copier(kernel: str, layout: KVLayout, block_size: int, layers: Sequenc
             return kernel, NumbaAmxCopier(table, num_threads)
     tables = None if kernel == "torch" else token_tables(layout, layers, value_head_size)
     if tables is not None and kernel == "numba":
-        from kvgroups.datapath.numba_copy import NumbaTokenCopier  # noqa: PLC0415 - numba/triton load on use
+        from kvgroups.datapath.lockstep import choose  # noqa: PLC0415 - numba/triton load on use
+        from kvgroups.datapath.numba_copy import NumbaTokenCopier  # noqa: PLC0415
 
-        return kernel, NumbaTokenCopier(tables, block_size, num_threads)
+        copier = NumbaTokenCopier(tables, block_size, num_threads)
+        copier.lockstep = choose(copier, num_slots)
+        return kernel, copier
     if tables is not None and kernel == "triton":
         from kvgroups.datapath.triton_copy import TritonTokenCopier  # noqa: PLC0415 - numba/triton load on use
 

@@ -244,7 +244,10 @@ class NumbaTokenCopier:
         self.tables = tables
         self.block_size = block_size
         self.num_threads = num_threads
-        self.wide = True  # scattered rows WIDE_ROWS at a time (else four)
+        # Scattered rows WIDE_ROWS at a time, else four: which is faster depends on the CPU, so the
+        # data path measures both once per process and kind of row (kvgroups.datapath.lockstep).
+        self.wide = True
+        self.lockstep = "not measured"  # what was chosen, in words
         self.bases = [table.bases.numpy() for table in tables]
         # What every cache-side row address is a multiple of (bases and the strides between rows).
         self.cache_alignment = [
@@ -256,36 +259,46 @@ class NumbaTokenCopier:
         if call.cpu_slots is None or not call.num_tokens:
             return
         num_bytes = chunk.numel() * chunk.element_size()
-        threads = self.num_threads or torch.get_num_threads()
-        parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
         slots = call.cpu_slots.numpy()
         check_still_bound(self.tables[0])  # every table of a group addresses the same tensors
-        for table, bases, cache_alignment in zip(self.tables, self.bases, self.cache_alignment, strict=True):
-            # Tokens merge into one run only when a row is one piece in the cache and in the chunk.
-            first, offset, length = _token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
-                                                table.row_bytes, table.rows_contiguous and table.chunk_rows_contiguous)
-            chunk_at = chunk.data_ptr() + table.chunk_offset(call.num_tokens)
-            # Stores that bypass the cache pay off where the written rows are not read soon: the
-            # caches (unpack), and chunks too large to stay cached (pack). They need 32-byte
-            # aligned rows.
-            streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous
-                         and (cache_alignment if scatter else chunk_at) % VECTOR_BYTES == 0
-                         and table.row_bytes % VECTOR_BYTES == 0 and table.chunk_row_bytes % VECTOR_BYTES == 0)
-            # Scattered rows move WIDE_ROWS at a time, a cache line each: streaming stores need 64-byte rows.
-            wide_streaming = streaming and (cache_alignment if scatter else chunk_at) % WIDE_VECTOR_BYTES == 0 and (
-                table.row_bytes % WIDE_VECTOR_BYTES == 0 and table.chunk_row_bytes % WIDE_VECTOR_BYTES == 0)
-            short = bool(length.size) and int(length.max()) * table.row_bytes <= _LOCKSTEP_MAX_BYTES
-            wide = 0 if not (self.wide and short) or (streaming and not wide_streaming) else 2 if wide_streaming else 1
-            arguments = (bases, chunk_at, call.num_tokens, table.row_bytes, table.chunk_row_bytes, first, offset,
-                         length, table.units,
-                         table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride, scatter,
-                         streaming, wide)
-            if parallel:
-                with parallel_region():
-                    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-                    _copy_tokens_parallel(*arguments)
-            else:
-                _copy_tokens_serial(*arguments)
+        for index, table in enumerate(self.tables):
+            self.launch(index, slots, chunk.data_ptr() + table.chunk_offset(call.num_tokens), num_bytes, scatter,
+                        self.wide)
+
+    def launch(self, index: int, slots: np.ndarray, chunk_at: int, num_bytes: int, scatter: bool, wide: bool) -> None:
+        """Copy ``slots``' rows of table ``index`` to or from the chunk rows at ``chunk_at`` (a chunk of
+        ``num_bytes`` in all); ``wide``: scattered rows WIDE_ROWS at a time, else four."""
+        table, bases, cache_alignment = self.tables[index], self.bases[index], self.cache_alignment[index]
+        threads = self.num_threads or torch.get_num_threads()
+        parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
+        # Tokens merge into one run only when a row is one piece in the cache and in the chunk.
+        first, offset, length = _token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
+                                            table.row_bytes, table.rows_contiguous and table.chunk_rows_contiguous)
+        # Stores that bypass the cache pay off where the written rows are not read soon: the caches
+        # (unpack), and chunks too large to stay cached (pack). They need 32-byte aligned rows.
+        streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous
+                     and (cache_alignment if scatter else chunk_at) % VECTOR_BYTES == 0
+                     and table.row_bytes % VECTOR_BYTES == 0 and table.chunk_row_bytes % VECTOR_BYTES == 0)
+        # Scattered rows move WIDE_ROWS at a time, a cache line each: streaming stores need 64-byte rows.
+        wide_streaming = streaming and (cache_alignment if scatter else chunk_at) % WIDE_VECTOR_BYTES == 0 and (
+            table.row_bytes % WIDE_VECTOR_BYTES == 0 and table.chunk_row_bytes % WIDE_VECTOR_BYTES == 0)
+        short = bool(length.size) and int(length.max()) * table.row_bytes <= _LOCKSTEP_MAX_BYTES
+        lockstep = 0 if not (wide and short) or (streaming and not wide_streaming) else 2 if wide_streaming else 1
+        arguments = (bases, chunk_at, slots.shape[0], table.row_bytes, table.chunk_row_bytes, first, offset, length,
+                     table.units, table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride,
+                     scatter, streaming, lockstep)
+        if parallel:
+            with parallel_region():
+                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+                _copy_tokens_parallel(*arguments)
+        else:
+            _copy_tokens_serial(*arguments)
+
+    @property
+    def scattered_rows(self) -> bool:
+        """Whether this group's rows can move in lockstep when scattered (one short piece per token)."""
+        table = self.tables[0]
+        return table.units == 1 and table.elements_contiguous and table.row_bytes <= _LOCKSTEP_MAX_BYTES
 
 
 class NumbaStateCopier:

@@ -108,12 +108,15 @@ class KVTransfer:
         layers, self.device = _bind_layers(self.groups, kv_caches)
         self.kernel = choose_kernel(self.device, kernel)
         chosen = [
-            token_copier(self.kernel, group.layout, group.block_size, group_layers, num_threads, group.value_head_size)
+            token_copier(self.kernel, group.layout, group.block_size, group_layers, num_threads, group.value_head_size,
+                         group.geometry.num_slots)
             if group.token_indexed else state_copier(self.kernel, group_layers)
             for group, group_layers in zip(self.groups, layers, strict=True)
         ]
         self.kernels: list[str] = [name for name, _ in chosen]
         self._copiers: list[Copier] = [copier for _, copier in chosen]
+        # Per group, how its kernel moves scattered rows where it measured that (the numba kernel), else "".
+        self.lockstep: list[str] = [getattr(copier, "lockstep", "") for copier in self._copiers]
         self._pool = ChunkPool(self.device)
         token_groups = [group for group in self.groups if group.token_indexed]
         self._token_groups = token_groups
@@ -212,6 +215,12 @@ class KVTransfer:
         self._move(call, staged, scatter=True)
         if synchronize:  # the caller may refill its pinned chunks once we return: the uploads must be done
             copies.finish()
+
+    def __repr__(self) -> str:
+        groups = "; ".join(
+            f"{group.kind.value} x{len(group.layer_names)}: {kernel}" + (f", {how}" if how else "")
+            for group, kernel, how in zip(self.groups, self.kernels, self.lockstep, strict=True))
+        return f"KVTransfer({len(self.groups)} groups on {self.device}: {groups})"
 
     def warm_up(self) -> None:
         """Compile every kernel this transfer launches, with its real copies' arguments, so that the first
@@ -312,31 +321,17 @@ class KVTransfer:
             copier.copy(chunk, call, scatter)
 
 
-def pack(
-    groups: Groups,
-    kv_caches: Mapping[str, Any],
-    slot_mapping: torch.Tensor | None = None,
-    *,
-    start: int = 0,
-    end: int | None = None,
-    state_indices: StateIndices = None,
-    out: Sequence[torch.Tensor] | None = None,
-) -> list[torch.Tensor]:
+def pack(groups: Groups, kv_caches: Mapping[str, Any], slot_mapping: torch.Tensor | None = None, *, start: int = 0,
+         end: int | None = None, state_indices: StateIndices = None,
+         out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """:meth:`KVTransfer.pack` on ``groups`` bound to ``kv_caches`` (bound again only when they changed)."""
     transfer = bound_transfer(_group_list(groups), kv_caches, KVTransfer)
     return transfer.pack(slot_mapping, start=start, end=end, state_indices=state_indices, out=out)
 
 
-def unpack(
-    groups: Groups,
-    kv_caches: Mapping[str, Any],
-    chunks: Sequence[torch.Tensor],
-    slot_mapping: torch.Tensor | None = None,
-    *,
-    start: int = 0,
-    end: int | None = None,
-    state_indices: StateIndices = None,
-) -> None:
+def unpack(groups: Groups, kv_caches: Mapping[str, Any], chunks: Sequence[torch.Tensor],
+           slot_mapping: torch.Tensor | None = None, *, start: int = 0, end: int | None = None,
+           state_indices: StateIndices = None) -> None:
     """:meth:`KVTransfer.unpack` on ``groups`` bound to ``kv_caches`` (bound again only when they changed)."""
     transfer = bound_transfer(_group_list(groups), kv_caches, KVTransfer)
     transfer.unpack(chunks, slot_mapping, start=start, end=end, state_indices=state_indices)

@@ -2,13 +2,13 @@
 
 Each group is asked only for what it keeps (:mod:`kvgroups.store.prefixes`). ``lookup`` returns
 the longest boundary at which every group has all of that; ``load`` reads exactly it and checks
-every entry (key, fingerprint, group, chunk, dtype, shape, checksum). A store that is down, full
+every entry (key, fingerprint, group, chunk, dtype, shape, checksum); those live in
+:mod:`kvgroups.store.prefix_reads`, saves and the store's lifetime here. A store that is down, full
 or corrupt costs misses, logged, never an exception in the request and never another request's KV.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,11 +21,12 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.base import ByteStore, EntryTooLargeError
-from kvgroups.store.codec import CorruptEntryError, EntryInfo, check_tensor, decode_entry, encode_entry, view_entry
+from kvgroups.store.codec import EntryInfo, check_tensor, encode_entry
 from kvgroups.store.health import Backoff, RateLimitedLog
-from kvgroups.store.keys import TokenIds, boundary_keys, checked_keys, chunk_namespace, prefix_keys, salt_bytes
+from kvgroups.store.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes
 from kvgroups.store.metrics import REGISTRY, StoreMetrics
-from kvgroups.store.prefixes import LoadedEntries, LoadedPrefix, StoredPrefix, assemble, needed_chunks, stored_prefix
+from kvgroups.store.prefix_reads import PrefixReads
+from kvgroups.store.prefixes import needed_chunks
 from kvgroups.store.prometheus import install as install_prometheus
 from kvgroups.store.secret import StoreSecret
 from kvgroups.store.urls import StoreArg, open_store
@@ -35,11 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Saves the background writer may hold before it drops new ones (counted).
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
-# A stored prefix is retried at most this many times, each at a shorter boundary, when entries fail to load.
-_LOAD_ATTEMPTS = 4
 
 
-class KVChunkStore:
+class KVChunkStore(PrefixReads):
     """A model's KV chunks, one entry per (chunk, group), keyed by prefix, in a byte store.
 
     Args:
@@ -101,10 +100,6 @@ class KVChunkStore:
         request_salt = salt_bytes(request_salt, "request_salt")
         namespace = self.namespace + b"\0request-salt\0" + request_salt if request_salt else self.namespace
         return prefix_keys(token_ids, self.chunk_size, namespace, secret=self.secret)
-
-    @staticmethod
-    def entry_key(prefix_key: str, group_index: int) -> str:
-        return f"{prefix_key}.g{group_index}"
 
     def needed_chunks(self, group_index: int, num_chunks: int) -> range:
         """The chunks group ``group_index`` needs to continue after ``num_chunks`` full chunks."""
@@ -217,130 +212,6 @@ class KVChunkStore:
         """Wait until every save so far is written (or has failed and been logged), up to ``timeout``
         seconds; whether they all were."""
         return self._writer.flush(timeout)
-
-    # --- lookup and load ------------------------------------------------------------------
-    def lookup(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None) -> int:
-        """The longest stored prefix of ``token_ids`` (a multiple of chunk_size) that every group can serve.
-
-        ``keys`` (from :meth:`keys`) stand for the tokens: pass either.
-        """
-        return self.locate(token_ids, keys=keys).num_tokens
-
-    def locate(self, token_ids: TokenIds | None, *, keys: Sequence[str] | None = None,
-               groups: Sequence[int] | None = None) -> StoredPrefix:
-        """What :meth:`lookup` finds, with the tokens each tier holds of it; only ``groups`` (default all) count."""
-        begin = time.perf_counter()
-        keys = self._keys_of(token_ids, keys)
-        found = self._locate(keys, range(len(self.groups)) if groups is None else groups)
-        self.stats.looked_up(len(keys) * self.chunk_size, found.tokens_by_tier, time.perf_counter() - begin)
-        return found
-
-    def _locate(self, keys: list[str], groups: Sequence[int]) -> StoredPrefix:
-        if not keys or not groups or not self._backoff.available():
-            return StoredPrefix(0)
-        try:
-            located = self.store.locate_many([self.entry_key(key, group) for group in groups for key in keys])
-        except OSError as error:
-            self._failed("lookup", error)
-            return StoredPrefix(0)
-        rows = [located[position * len(keys):(position + 1) * len(keys)] for position in range(len(groups))]
-        specs = [self.groups[group].spec for group in groups]
-        return stored_prefix(specs, rows, self.chunk_size, [tier.tier_name for tier in self.store.tiers])
-
-    def load(self, token_ids: TokenIds | None, num_tokens: int, *,
-             keys: Sequence[str] | None = None) -> LoadedPrefix:
-        """Read what every group needs to continue after ``num_tokens`` (a boundary ``lookup`` returned).
-
-        Returns fewer tokens (down to 0) when entries turn out missing or corrupt: those are
-        deleted and a shorter stored boundary is tried, so the result is always whole and exact.
-        ``keys`` (from :meth:`keys`, at least ``num_tokens / chunk_size`` of them) stand for the
-        tokens.
-        """
-        tensors, keys = self._read_boundary(token_ids, num_tokens, keys)
-        return assemble(self.groups, tensors, len(keys), self.chunk_size)
-
-    def load_entries(self, token_ids: TokenIds | None, num_tokens: int, *,
-                     keys: Sequence[str] | None = None) -> LoadedEntries:
-        """:meth:`load` without putting the prefix together: every entry it needs, checked as ``load`` checks
-        them, as views of the values read (no copy), for a caller that copies each into its cache."""
-        tensors, keys = self._read_boundary(token_ids, num_tokens, keys, copy=False)
-        return LoadedEntries(num_tokens=len(keys) * self.chunk_size, entries=tensors)
-
-    def verify(self, token_ids: TokenIds | None, num_tokens: int, *, keys: Sequence[str] | None = None) -> int:
-        """The longest boundary up to ``num_tokens`` whose entries all read back whole: :meth:`load`, unassembled.
-
-        For a caller that must promise a hit before it loads (a scheduler): entries that are
-        missing or corrupt now cost a miss now, not a failed load later.
-        """
-        _, keys = self._read_boundary(token_ids, num_tokens, keys)
-        return len(keys) * self.chunk_size
-
-    def _keys_of(self, token_ids: TokenIds | None, keys: Sequence[str] | None) -> list[str]:
-        if keys is not None:
-            return checked_keys(keys)
-        if token_ids is None:
-            raise KVGroupsError("pass token_ids or keys")
-        return self.keys(token_ids)
-
-    def _read_boundary(self, token_ids: TokenIds | None, num_tokens: int, keys: Sequence[str] | None, *,
-                       copy: bool = True) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
-        """The entries at the longest readable boundary up to ``num_tokens`` (tensors of their own, or with
-        ``copy`` False views of the values read), and the keys up to it."""
-        keys = boundary_keys(token_ids, keys, num_tokens, self.chunk_size, self.keys)
-        begin = time.perf_counter()
-        tensors, keys = self._read_longest(keys, copy)
-        self.stats.loaded(len(keys) * self.chunk_size, time.perf_counter() - begin)
-        return tensors, keys
-
-    def _read_longest(self, keys: list[str], copy: bool) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
-        for _ in range(_LOAD_ATTEMPTS):
-            if not keys or not self._backoff.available():  # an unavailable store serves no boundary
-                return {}, []
-            tensors = self._read(keys, copy)
-            if tensors is not None:
-                return tensors, keys
-            shorter = self._locate(keys[:-1], range(len(self.groups))).num_tokens if len(keys) > 1 else 0
-            keys = keys[: shorter // self.chunk_size]
-        return {}, []
-
-    def _read(self, keys: list[str], copy: bool) -> dict[tuple[int, int], torch.Tensor] | None:
-        """Every group's needed entries at boundary ``len(keys)``, by (group, chunk); None when one
-        is bad, or the read fails."""
-        decode = decode_entry if copy else view_entry
-        num_chunks = len(keys)
-        wanted = [
-            self.entry_info(keys[chunk], group, chunk)
-            for group in range(len(self.groups)) for chunk in self.needed_chunks(group, num_chunks)
-        ]
-        try:
-            values = self.store.get_many([info.key for info in wanted],
-                                         max((info.max_entry_bytes for info in wanted), default=0))
-        except OSError as error:
-            self._failed("load", error)
-            return None
-        self.store.record_read(len(values), sum(value is not None for value in values))
-        tensors: dict[tuple[int, int], torch.Tensor] = {}
-        whole = True
-        for info, value in zip(wanted, values, strict=True):
-            if value is None:
-                whole = False
-                continue
-            try:
-                tensors[info.group_index, info.chunk_index] = decode(value, info, secret=self.secret)
-                self.stats.bytes_read[info.group_index] += len(value)
-            except CorruptEntryError as error:
-                whole = False
-                self.discard_corrupt(info, error)
-        return tensors if whole else None
-
-    def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError) -> None:
-        """An entry read as ``info`` did not check out: count it, say so (rate-limited) and delete it."""
-        self.stats.corrupt_entries += 1
-        self.store.record_error(error)
-        self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
-                          self.store.url, self.stats.corrupt_entries, error)
-        with contextlib.suppress(OSError):  # a failed delete leaves it unusable all the same: reads check it
-            self.store.delete(info.key)
 
     # --- lifetime -------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> bool:

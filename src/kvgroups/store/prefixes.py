@@ -95,14 +95,15 @@ def servable_chunks(specs: Sequence[LayerCacheSpec], present: Sequence[Sequence[
 
 def assemble(groups: Sequence[KVLayerGroupInfo], tensors: Mapping[tuple[int, int], torch.Tensor], num_chunks: int,
              chunk_size: int) -> LoadedPrefix:
-    """The prefix of ``num_chunks`` chunks from entries ``(group, chunk) -> tensor`` (every needed one present)."""
+    """The prefix of ``num_chunks`` chunks from entries ``(group, chunk) -> tensor`` (every needed one present),
+    in tensors of its own (the entries may be views of values read)."""
     if not num_chunks:
         return LoadedPrefix(num_tokens=0)
     parts = []
     for index, group in enumerate(groups):
         needed = needed_chunks(group.spec, num_chunks, chunk_size)
         if not group.token_indexed:
-            parts.append(GroupPrefix(index, num_chunks * chunk_size, tensors[index, needed.start]))
+            parts.append(GroupPrefix(index, num_chunks * chunk_size, tensors[index, needed.start].clone()))
             continue
         chunks = [tensors[index, chunk] for chunk in needed]
         tensor = torch.cat(chunks, dim=2) if chunks else torch.empty(group.chunk_shape(0), dtype=group.dtype)
