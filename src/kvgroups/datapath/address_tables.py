@@ -35,7 +35,10 @@ def widest_word(*byte_quantities: int, max_bytes: int = 16) -> torch.dtype:
 
 
 def _same_memory(tensors: tuple[torch.Tensor, ...], pointers: tuple[int, ...]) -> bool:
-    return all(tensor.data_ptr() == pointer for tensor, pointer in zip(tensors, pointers, strict=True))
+    return tuple(map(_data_ptr, tensors)) == pointers  # one C-level pass: every call of every copy checks it
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def check_still_bound(table: TokenTable | StateTable | AmxTable) -> None:

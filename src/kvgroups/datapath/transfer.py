@@ -263,10 +263,11 @@ class KVTransfer:
             if int(values.min()) < 0 or int(values.max()) >= self._slot_limit:
                 self._raise_out_of_range(cpu_slots)
             if distinct:
-                unique, counts = np.unique(values, return_counts=True)
-                if unique.size != values.size:
+                ordered = np.sort(values)
+                repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+                if repeated.size:
                     raise SlotMappingError(f"slot_mapping maps several tokens to slots "
-                                           f"{unique[counts > 1][:8].tolist()}; two tokens cannot own one slot")
+                                           f"{np.unique(repeated)[:8].tolist()}; two tokens cannot own one slot")
         if self.device.type == "cuda" and slots.device.type == "cpu":
             # From pinned memory the upload is queued on the stream, not waited for.
             return cpu_slots.pin_memory().to(self.device, non_blocking=True), cpu_slots
