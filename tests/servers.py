@@ -69,6 +69,7 @@ class Server:
                  port: int | None = None, password: str | None = None,
                  tls: dict[str, Path] | None = None) -> None:
         self.directory = directory
+        self.settings = settings
         directory.mkdir(parents=True, exist_ok=True)
         self.log = directory / "server.log"
         self.port = 0 if unix else port or free_port()

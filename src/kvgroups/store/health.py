@@ -39,12 +39,15 @@ class Backoff:
         self.name = name
         self.log = log or RateLimitedLog()
         self._failed_at = -float("inf")
+        self._retry_after = RETRY_AFTER_SECONDS
 
     def available(self) -> bool:
-        return time.monotonic() - self._failed_at >= RETRY_AFTER_SECONDS
+        return time.monotonic() - self._failed_at >= self._retry_after
 
-    def failed(self, action: str, error: BaseException) -> None:
-        """Note that ``action`` (lookup, load, save) failed with ``error``; warn (rate-limited)."""
+    def failed(self, action: str, error: BaseException, retry_after: float | None = None) -> None:
+        """Note that ``action`` (lookup, load, save) failed with ``error``; warn (rate-limited). It is left
+        alone for ``retry_after`` seconds (default :data:`RETRY_AFTER_SECONDS`)."""
         self._failed_at = time.monotonic()
-        self.log.warning(action, "chunk store %s: %s failed, treating it as a miss for %.0f s: %s", self.name,
-                         action, RETRY_AFTER_SECONDS, error)
+        self._retry_after = RETRY_AFTER_SECONDS if retry_after is None else retry_after
+        self.log.warning(action, "chunk store %s: %s failed, treating it as a miss for %.1f s: %s", self.name,
+                         action, self._retry_after, error)

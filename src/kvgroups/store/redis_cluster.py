@@ -3,11 +3,14 @@
 redis-py's cluster client knows the topology (which master holds which slot); values move on that
 master's connections in the server's protocol (:class:`~kvgroups.store.redis_store.RespStore`),
 and lookups are grouped per master and pipelined. Each master fails alone: one that dies costs
-the misses of its slots (its reads are misses, its writes dropped) and is left alone for a while,
-then the topology is read again, so that once a replica has been promoted the store serves those
-slots from it without a restart. Only when every master fails does an operation raise. The
-servers must run with ``cluster-require-full-coverage no``, or the whole cluster refuses queries
-while a master is down.
+the misses of its slots (its reads are misses, its writes dropped) and is left alone for a while.
+Meanwhile the topology is read again in the background, at most every :data:`REFRESH_SECONDS`,
+for as long as a key falls on a master left alone (a node may still describe the old topology
+while a failover completes): once a replica has been promoted and a node says so, its slots are
+served from it at once, without a restart and without waiting out the dead master's back-off.
+Only when every master fails does an operation raise. A cluster refusing queries while a master
+is down (``cluster-require-full-coverage yes``, the servers' default: ``CLUSTERDOWN``) is asked
+again after a short while, not a full back-off: it answers as soon as the failover is done.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,6 +28,11 @@ from kvgroups.store.redis_settings import RedisSettings
 from kvgroups.store.redis_store import RespStore, redis_module
 from kvgroups.store.resp import RespError
 from kvgroups.store.value_parts import KEY_PREFIX, head_name, key_of
+
+# The topology is read again (in the background) at most this often while keys fall on a master left alone.
+REFRESH_SECONDS = 0.25
+# A master that answered CLUSTERDOWN (the cluster refusing queries during a failover) is left alone this long.
+CLUSTER_DOWN_RETRY_SECONDS = 0.25
 
 
 class _NodeDownError(Exception):
@@ -57,18 +66,34 @@ class RedisClusterStore(RespStore):
         self._log = RateLimitedLog()
         self._health: dict[str, Backoff] = {}
         self._topology_lock = threading.Lock()
+        self._refreshing = False
+        self._refreshed_at = -float("inf")
+        self._refusing: set[str] = set()  # masters whose last failure was refusing queries (CLUSTERDOWN)
 
     # --- which master, and whether it may be asked ----------------------------------------------------
     def _node(self, name: bytes) -> Any:
-        node = self._client.get_node_from_key(name)
+        try:
+            node = self._client.get_node_from_key(name)
+        except self._redis.exceptions.RedisClusterException as error:  # no master holds the slot now
+            self._refresh_topology()
+            raise _NodeDownError(str(error)) from None
         health = self._health.get(node.name)
         if health is not None and not health.available():
+            self._refresh_topology()  # another master may hold its slots by now
             raise _NodeDownError(node.name)
         return node
 
     def _node_failed(self, node_name: str, error: BaseException) -> None:
         health = self._health.setdefault(node_name, Backoff(f"{self.url} master {node_name}", self._log))
-        health.failed("reach", error)
+        # A master refusing queries while the cluster is down is there, and answers once it is whole again.
+        refused = isinstance(error, self._redis.exceptions.ClusterDownError) or (
+            isinstance(error, (RespError, self._redis.exceptions.ResponseError)) and str(
+                error.message if isinstance(error, RespError) else error).startswith("CLUSTERDOWN"))
+        health.failed("reach", error, retry_after=CLUSTER_DOWN_RETRY_SECONDS if refused else None)
+        if refused:
+            self._refusing.add(node_name)
+        else:
+            self._refusing.discard(node_name)
         self.record_error(error)
         self._refresh_topology()
 
@@ -76,14 +101,34 @@ class RedisClusterStore(RespStore):
         return {"backed_off_masters": float(sum(not health.available() for health in list(self._health.values())))}
 
     def _refresh_topology(self) -> None:
-        """Read which master holds which slot again (a replica may have been promoted)."""
-        if self._topology_lock.acquire(blocking=False):
-            try:
-                self._client.nodes_manager.initialize()
-            except self._errors:
-                pass  # no node answered: the next failure tries again
-            finally:
-                self._topology_lock.release()
+        """Read which master holds which slot again (a replica may have been promoted), in a thread of its
+        own: a node may take its timeout to answer, and no lookup or value waits for that. At most one
+        refresh runs, started at most every :data:`REFRESH_SECONDS`."""
+        with self._topology_lock:
+            now = time.monotonic()
+            if self._refreshing or now - self._refreshed_at < REFRESH_SECONDS:
+                return
+            self._refreshing, self._refreshed_at = True, now
+        threading.Thread(target=self._read_topology, name="kvgroups-cluster-topology", daemon=True).start()
+
+    def _read_topology(self) -> None:
+        try:
+            self._client.nodes_manager.initialize()
+        except (*self._errors, self._redis.exceptions.RedisClusterException):
+            pass  # no node answered: the next key on a master left alone asks again
+        finally:
+            with self._topology_lock:
+                self._refreshing = False
+
+    def wait_for_topology(self, timeout: float = 10.0) -> bool:
+        """Wait until no topology refresh runs (tests); whether none does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._topology_lock:
+                if not self._refreshing:
+                    return True
+            time.sleep(0.01)
+        return False
 
     @contextlib.contextmanager
     def _connection_for(self, name: bytes) -> Iterator[Any]:
@@ -126,7 +171,6 @@ class RedisClusterStore(RespStore):
             except _NodeDownError:
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(index)
-        answered = 0
         for node_name, (node, indices) in by_node.items():
             try:
                 with self._client.get_redis_connection(node).pipeline(transaction=False) as pipeline:
@@ -134,12 +178,21 @@ class RedisClusterStore(RespStore):
                         pipeline.exists(head_name(keys[index]))
                     for index, found in zip(indices, pipeline.execute(), strict=True):
                         present[index] = bool(found)
-                answered += 1
             except self._errors as error:
                 self._node_failed(node_name, error)
-        if keys and not answered:
-            raise StoreError(f"{self.url}: cannot look up {len(keys)} keys: every master asked is down or backed off")
+        # A master down costs its keys' misses; only a cluster none of whose masters may be asked, or is there
+        # at all, fails (a cluster refusing queries during a failover is there: misses until it is whole).
+        if keys and not self._any_master_there():
+            raise StoreError(f"{self.url}: cannot look up {len(keys)} keys: every master is down or backed off")
         return present
+
+    def _any_master_there(self) -> bool:
+        try:
+            primaries = self._client.get_primaries()
+        except self._redis.exceptions.RedisClusterException:
+            return False
+        return any(node.name not in self._health or self._health[node.name].available()
+                   or node.name in self._refusing for node in primaries)
 
     def stats_by_master(self) -> dict[str, int]:
         """Values of kvgroups' held by each master (``host:port``)."""
