@@ -663,6 +663,8 @@ def test_groups_overlaid_on_one_vllm_buffer_move_only_their_own_blocks(layout: K
 def test_scattered_rows_move_the_same_bytes_at_either_width_and_the_repr_says_which_was_measured(kernel: str) -> None:
     """Sixteen rows in lockstep or four (the numba kernel measures which is faster on this CPU when it binds):
     many scattered slots, long enough for a parallel, streaming call, moved alike by both and the torch path."""
+    if kernel != "numba":
+        pytest.skip("the two widths are the numba kernel's; the other kernels' bytes are held by the property tests")
     generator = torch.Generator().manual_seed(11)
     caches = {f"l{i}": random_tensor((2, 256, 16, 4, 64), torch.bfloat16, generator) for i in range(4)}
     manager = KVLayerGroupsManager()

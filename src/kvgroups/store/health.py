@@ -39,15 +39,17 @@ class Backoff:
         self.name = name
         self.log = log or RateLimitedLog()
         self._failed_at = -float("inf")
-        self._retry_after = RETRY_AFTER_SECONDS
+        # None: the module's RETRY_AFTER_SECONDS as it is when asked (tests and operators may change it).
+        self._retry_after: float | None = None
 
     def available(self) -> bool:
-        return time.monotonic() - self._failed_at >= self._retry_after
+        retry_after = RETRY_AFTER_SECONDS if self._retry_after is None else self._retry_after
+        return time.monotonic() - self._failed_at >= retry_after
 
     def failed(self, action: str, error: BaseException, retry_after: float | None = None) -> None:
         """Note that ``action`` (lookup, load, save) failed with ``error``; warn (rate-limited). It is left
         alone for ``retry_after`` seconds (default :data:`RETRY_AFTER_SECONDS`)."""
         self._failed_at = time.monotonic()
-        self._retry_after = RETRY_AFTER_SECONDS if retry_after is None else retry_after
+        self._retry_after = retry_after
         self.log.warning(action, "chunk store %s: %s failed, treating it as a miss for %.1f s: %s", self.name,
-                         action, self._retry_after, error)
+                         action, RETRY_AFTER_SECONDS if retry_after is None else retry_after, error)
