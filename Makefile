@@ -53,7 +53,7 @@ $(VLLM033_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements
 	$(VLLM033_PIP) -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test test-vllm test-vllm033 bench redis-server gpu-check
+.PHONY: setup demo test test-vllm test-vllm033 bench soak redis-server gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -88,6 +88,13 @@ test-vllm033: $(VLLM033_VENV)/.installed redis-server
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
 test-vllm: $(VLLM_VENV)/.installed redis-server
 	$(VLLM_BIN)/pytest -n 2 --durations=8 tests/vllm_connector
+
+# Serving through faults (benchmarks/soak.py): two vllm serve on one 3+3 cluster for an hour, every fault at
+# least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its three-minute version runs
+# in test-vllm (tests/vllm_connector/test_soak.py).
+SOAK_MINUTES ?= 60
+soak: $(VLLM_VENV)/.installed redis-server
+	$(VLLM_BIN)/python benchmarks/soak.py --minutes $(SOAK_MINUTES) --json soak.json
 
 # The data path on a CUDA GPU, one table (benchmarks/gpu_check.py): run with GPU_PYTHON (default python3)
 # where it has a CUDA build of torch with Triton, else with the CPU environment, which says in one line

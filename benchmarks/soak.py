@@ -1,0 +1,567 @@
+"""Serving through faults: two ``vllm serve`` processes on one shared Valkey/Redis Cluster, faults injected.
+
+Two servers of vLLM's CPU build (each ``python -m vllm.entrypoints.openai.api_server`` in its own
+process group, vLLM's defaults: its prefix cache on, here in a KV space small enough that
+conversations leave it and come back from the store), each with KVGroupsConnector on a file tier of
+its own (on a small tmpfs, so that it can be filled) in front of one 3-master, 3-replica cluster:
+``llama`` serves a tiny llama-like model, ``hybrid`` a tiny Gemma-3-like one (sliding and full
+attention layers). Clients hold multi-round conversations with shared system prompts on both, for
+``--minutes``; every prompt is also asked under a cache salt of its own with the store off, which
+computes it from nothing: its greedy answer is the one every answer must equal. Faults come at known
+times, each undone later (``soak_faults.Faults``): a master killed and started again, a node
+stopped past the store's timeout, the cluster full (eviction off), a file tier's filesystem full,
+entries corrupted and deleted behind the store's back, a store directory unwritable, a server
+killed and started again.
+
+Checked while it runs, and reported per fault and as JSON: every request answered within
+``--timeout`` seconds (the killed server's in flight and while it is down are counted apart);
+every answer equal to its computed one (a token where the computed answer's two best tokens are
+within ``TIE_LOGPROB`` of each other is a tie of floating point, counted apart, never a pass for a
+real difference); the share of prompt tokens served from caches back to its level before the
+fault (``RECOVERY_WINDOW`` requests in a row, within ``RECOVERY_REQUESTS`` after it ends); each
+server's resident memory, threads and open files flat (the last quarter's median within 5% of the
+second quarter's, over the longest run of a server killed and started again); the stores within
+their budgets; the connector's loaded tokens on ``/metrics`` no more than the tokens vLLM reports
+served from its external cache. A broken invariant fails the run (exit 1).
+
+Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
+minutes, every fault three times); ``--quick`` runs every fault once in about 6 minutes (what
+``make test`` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "src"))
+
+from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
+from tests.servers import free_port, running_cluster  # noqa: E402
+
+CHUNK = 64
+TIE_LOGPROB = 1e-3  # a computed answer's two best tokens closer than this: a tie, not a difference
+RESTART_NICENESS = -10
+STEADY_AFTER_SECONDS = 10.0  # the steady state: from this long after the clients start to the first fault
+TAIL_SECONDS = 40.0  # the run goes on at least this long after the last fault ends
+RECOVERY_REQUESTS = 40
+RECOVERY_WINDOW = 8  # after a fault ends, requests until the cache share must be back
+TIER_MIB, TIER_BUDGET_MIB = 96, 64  # each file tier's tmpfs, and the store's budget in it
+CLUSTER_MAXMEMORY = 256 << 20
+MODELS = {"llama": "llama", "hybrid": "gemma3"}
+# Each server's KV space: a little more than one 2048-token sequence, so that conversations leave vLLM's own
+# prefix cache and come back from the store (llama-like: 1 KiB of K/V a token; Gemma-3-like: 2 KiB).
+KV_MIB = {"llama": 3, "hybrid": 5}
+
+
+@dataclass
+class Outcome:
+    """One request's result, as a client saw it."""
+
+    server: str
+    started: float
+    seconds: float
+    ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    error: str = ""
+    differs: bool = False
+    tie: bool = False
+    server_down: bool = False  # the server was killed while it ran, or was down when it was sent
+
+
+class Server:
+    """One ``vllm serve`` in a process group of its own, started (and started again) on demand."""
+
+    def __init__(self, name: str, model: Path, store: list[str], directory: Path, kv_bytes: int,
+                 cpus: list[int]) -> None:
+        self.name, self.model, self.store, self.directory = name, model, store, directory
+        self.kv_bytes, self.cpus = kv_bytes, cpus
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.incarnation = 0
+        self.up = threading.Event()
+        self.started_at = 0.0
+
+    def command(self) -> list[str]:
+        connector = {"kv_connector": "KVGroupsConnector", "kv_connector_module_path": "kvgroups.integrations.vllm",
+                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": {"store": self.store, "chunk_size": CHUNK}}
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--max-model-len", "2048",
+                "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--enable-prompt-tokens-details",
+                "--kv-cache-memory-bytes", str(self.kv_bytes), "--kv-transfer-config", json.dumps(connector)]
+
+    def start(self) -> None:
+        # Each server on CPUs of its own: left to bind itself, every vLLM CPU engine pins its worker to the
+        # first CPU, and a server started again beside a busy one waits minutes there for its turn.
+        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus)),
+                       "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+        self.incarnation += 1
+        log = open(self.directory / f"{self.name}-{self.incarnation}.log", "wb")  # noqa: SIM115 - the server's
+        # Started again beside the other server's busy engine on a small machine, a server gets a few per cent
+        # of a CPU and takes many minutes to start: it starts ahead of the other (as on a machine of its own),
+        # then serves at the same priority.
+        ahead = ["nice", "-n", str(RESTART_NICENESS)] if self.incarnation > 1 else []
+        self.process = subprocess.Popen([*ahead, *self.command()], cwd=ROOT, env=environment, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        if ahead:
+            self._autogroup_niceness(RESTART_NICENESS)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name}'s vllm serve exited {self.process.returncode}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.base}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    os.setpriority(os.PRIO_PGRP, self.process.pid, 0)  # every thread of every process in its group
+                    self._autogroup_niceness(0)
+                    self.started_at = time.monotonic()
+                    self.up.set()
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name}'s vllm serve did not start")
+
+    def _autogroup_niceness(self, niceness: int) -> None:
+        """Where the kernel groups each session's threads (sched_autogroup), the group's niceness is what
+        shares the CPUs between the servers; a process's own is only felt inside its group."""
+        if self.process is not None:
+            with contextlib.suppress(OSError):
+                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(niceness))
+
+    def kill(self) -> None:
+        self.up.clear()
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+    def stop(self) -> None:
+        self.up.clear()
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=60)
+
+    def complete(self, tokens: list[int], timeout: float, **extra: Any) -> dict[str, Any]:
+        body = json.dumps({"model": self.name, "prompt": tokens, "max_tokens": 8, "temperature": 0, "logprobs": 2,
+                           "return_token_ids": True, "ignore_eos": True, **extra}).encode()
+        request = urllib.request.Request(f"{self.base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return dict(json.loads(answer.read()))
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith(("vllm:kvgroups_", "vllm:external_prefix_cache_", "vllm:prompt_tokens_cached")):
+                name, number = line.rsplit(" ", 1)
+                found[name] = found.get(name, 0.0) + float(number)
+        return found
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(count)]
+
+
+def answer_of(response: dict[str, Any]) -> tuple[list[int], list[dict[str, float]]]:
+    """The answer's token ids and each position's two best logprobs."""
+    choice = response["choices"][0]
+    logprobs = choice.get("logprobs") or {}
+    return [int(token) for token in choice["token_ids"]], list(logprobs.get("top_logprobs") or [])
+
+
+class Client(threading.Thread):
+    """One user's conversations on one server: each round appends a question, asks it (the store serving
+    what it holds) and asks it again under a fresh cache salt with the store off (computed from nothing),
+    then appends the answer."""
+
+    def __init__(self, soak: Soak, server: Server, user: int) -> None:
+        super().__init__(name=f"client-{server.name}-{user}", daemon=True)
+        self.soak, self.server, self.user = soak, server, user
+
+    def run(self) -> None:
+        server_seed = zlib.crc32(self.server.name.encode()) % 1000  # str hashes differ between processes
+        rng = random.Random(self.user * 7919 + server_seed)
+        system = tokens(server_seed, 256)  # every user of this server shares it
+        conversation = 0
+        while not self.soak.stopping.is_set():
+            history = system + tokens(rng.randrange(10**9), 96)
+            conversation += 1
+            for _ in range(self.soak.rounds):
+                if self.soak.stopping.is_set():
+                    return
+                history = history + tokens(rng.randrange(10**9), 48)
+                if len(history) > 1800:
+                    break
+                answer = self.ask(history)
+                if answer is None:
+                    break
+                history = history + answer
+
+    def ask(self, prompt: list[int]) -> list[int] | None:
+        server, soak = self.server, self.soak
+        if not server.up.wait(timeout=900):
+            return None
+        incarnation = server.incarnation
+        started = time.monotonic()
+        try:
+            reused = server.complete(prompt, soak.timeout)
+            computed = server.complete(prompt, soak.timeout, cache_salt=f"reference-{random.getrandbits(64)}",
+                                       kv_transfer_params={"kvgroups": {"load": False, "save": False}})
+        except (OSError, urllib.error.URLError, json.JSONDecodeError, KeyError) as error:
+            down = not server.up.is_set() or server.incarnation != incarnation
+            soak.record(Outcome(server.name, started, time.monotonic() - started, ok=False, error=str(error)[:200],
+                                server_down=down))
+            return None
+        got, _ = answer_of(reused)
+        want, top = answer_of(computed)
+        outcome = Outcome(server.name, started, time.monotonic() - started, ok=True,
+                          prompt_tokens=int(reused["usage"]["prompt_tokens"]),
+                          cached_tokens=int((reused["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                                            or 0), tokens=got)
+        if got != want:
+            first = next(index for index, (a, b) in enumerate(zip([*got, None], [*want, None], strict=False))
+                         if a != b)
+            best = sorted(top[first].values(), reverse=True) if first < len(top) and top[first] else []
+            outcome.tie = len(best) >= 2 and best[0] - best[1] < TIE_LOGPROB
+            outcome.differs = not outcome.tie
+        soak.record(outcome)
+        return want
+
+
+class Soak:
+    def __init__(self, arguments: argparse.Namespace, directory: Path) -> None:
+        self.arguments = arguments
+        self.directory = directory
+        self.rounds = arguments.rounds
+        self.timeout = arguments.timeout
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.outcomes: list[Outcome] = []
+        self.samples: dict[str, list[dict[str, Any]]] = {}
+        self.faults_run: list[dict[str, Any]] = []
+        self.sampler_errors: list[str] = []
+        self.start = time.monotonic()
+
+    def record(self, outcome: Outcome) -> None:
+        with self.lock:
+            self.outcomes.append(outcome)
+
+    # --- sampling ----------------------------------------------------------------------------------
+    def sampler(self, servers: dict[str, Server], cluster: Any, tiers: dict[str, Path]) -> None:
+        while not self.stopping.wait(5.0):
+            try:
+                self._sample(servers, cluster, tiers)
+            except Exception as error:  # a sample lost is reported, never the end of sampling
+                self.sampler_errors.append(f"{type(error).__name__}: {error}"[:200])
+
+    def _sample(self, servers: dict[str, Server], cluster: Any, tiers: dict[str, Path]) -> None:
+        for name, server in servers.items():
+            if server.up.is_set() and server.process is not None:
+                sample = resources(server.process.pid)
+                sample.update(incarnation=server.incarnation, tier_bytes=directory_bytes(tiers[name] / "kv"))
+                with contextlib.suppress(OSError, ValueError):
+                    found = server.metrics()
+                    sample["external_hits"] = sum(value for key, value in found.items()
+                                                  if key.startswith("vllm:external_prefix_cache_hits_total"))
+                self.samples.setdefault(name, []).append(sample)
+        used = []
+        # A stopped node does not answer (nor, while the topology is moving, may another): skip it this time.
+        with contextlib.suppress(subprocess.TimeoutExpired, StopIteration, RuntimeError, ValueError):
+            for port in list(cluster.masters()):
+                info = cluster.ask(port, "info", "memory")
+                used += [int(line.split(":")[1]) for line in info.splitlines() if line.startswith("used_memory:")]
+        if used:
+            self.samples.setdefault("cluster", []).append({"time": time.monotonic(), "used": max(used)})
+
+    # --- the run -----------------------------------------------------------------------------------
+    def schedule(self, faults: list[Fault]) -> list[tuple[float, float, Fault]]:
+        """(start, end, fault) in seconds from the start: every fault once per cycle, after a warm-up."""
+        quick = self.arguments.quick
+        warm, length, gap = (30.0, 8.0, 12.0) if quick else (180.0, 45.0, 75.0)
+        total = self.arguments.minutes * 60
+        plan, at = [], warm
+        while True:
+            for fault in faults:
+                if at + length + gap > total and plan and not quick:
+                    return plan
+                plan.append((at, at + length, fault))
+                at += length + gap
+            if quick:
+                return plan
+
+    def run(self) -> int:
+        arguments = self.arguments
+        tiers = {name: self.directory / f"{name}-tier" for name in MODELS}
+        for mount in tiers.values():
+            mount_tmpfs(mount, TIER_MIB)
+        try:
+            with running_cluster(self.directory / "cluster", settings=(
+                    "--maxmemory", str(CLUSTER_MAXMEMORY), "--maxmemory-policy", "allkeys-lru")) as cluster:
+                return self._serve(arguments, cluster, tiers)
+        finally:
+            for mount in tiers.values():
+                unmount(mount)
+
+    def _serve(self, arguments: argparse.Namespace, cluster: Any, tiers: dict[str, Path]) -> int:
+        from tests.vllm_connector.tiny_vllm_models import save_model
+
+        servers = {}
+        cpus = sorted(os.sched_getaffinity(0))
+        halves = [cpus[: max(1, len(cpus) // 2)], cpus[len(cpus) // 2:] or cpus]
+        for (name, kind), own in zip(MODELS.items(), halves, strict=True):
+            model = save_model(kind, self.directory / "models" / name, initializer_range=0.5)
+            store = [f"file://{tiers[name]}/kv?max_bytes={TIER_BUDGET_MIB}MiB", cluster.url]
+            servers[name] = Server(name, model, store, self.directory, kv_bytes=KV_MIB[name] << 20, cpus=own)
+        try:
+            return self._load(arguments, cluster, tiers, servers)
+        finally:
+            for server in servers.values():
+                server.stop()
+
+    def _load(self, arguments: argparse.Namespace, cluster: Any, tiers: dict[str, Path],
+              servers: dict[str, Server]) -> int:
+        starting = [threading.Thread(target=server.start, daemon=True) for server in servers.values()]
+        for thread in starting:
+            thread.start()
+        for thread in starting:
+            thread.join()
+        if not all(server.up.is_set() for server in servers.values()):
+            raise RuntimeError("a vllm serve did not start: see its log")
+        faults = Faults(cluster, tiers, restart=lambda name: servers[name].start(),
+                        kill=lambda name: servers[name].kill())
+        plan = self.schedule(faults.all())
+        self.start = time.monotonic()
+        clients = [Client(self, server, user) for server in servers.values() for user in range(arguments.clients)]
+        sampler = threading.Thread(target=self.sampler, args=(servers, cluster, tiers), daemon=True)
+        for thread in (*clients, sampler):
+            thread.start()
+        try:
+            for start, end, fault in plan:
+                self._sleep_until(start)
+                injected = time.monotonic() - self.start
+                print(f"[{injected:7.1f} s] {fault.name}: {fault.what}", flush=True)
+                fault.inject()
+                self._sleep_until(end)
+                fault.undo()
+                undone = time.monotonic() - self.start
+                self.faults_run.append({"fault": fault.name, "what": fault.what, "start": injected, "end": undone})
+                print(f"[{undone:7.1f} s] {fault.name}: undone", flush=True)
+            # The last fault's recovery is measured too, however long its undoing took (a server's start-up).
+            self._sleep_until(max(arguments.minutes * 60, time.monotonic() - self.start + TAIL_SECONDS))
+        finally:
+            faults.cleanup()
+            self.stopping.set()
+            for thread in clients:
+                thread.join(timeout=arguments.timeout + 30)
+        metrics = {name: server.metrics() for name, server in servers.items() if server.up.is_set()}
+        return self.report(metrics)
+
+    def _sleep_until(self, at: float) -> None:
+        while time.monotonic() - self.start < at and not self.stopping.is_set():
+            time.sleep(min(1.0, at - (time.monotonic() - self.start)))
+
+    # --- the report --------------------------------------------------------------------------------
+    def report(self, metrics: dict[str, dict[str, float]]) -> int:
+        problems: list[str] = []
+        outcomes = sorted(self.outcomes, key=lambda outcome: outcome.started)
+        relative = [(outcome.started - self.start, outcome) for outcome in outcomes]
+        first_fault = self.faults_run[0]["start"] if self.faults_run else float("inf")
+        steady = [outcome for at, outcome in relative if outcome.ok and STEADY_AFTER_SECONDS <= at < first_fault]
+        steady_latency = [outcome.seconds for outcome in steady] or [0.0]
+        steady_share = cached_share(steady)
+        rows, json_rows = [], []
+        for index, fault in enumerate(self.faults_run):
+            until = self.faults_run[index + 1]["start"] if index + 1 < len(self.faults_run) else float("inf")
+            # In flight at any time while the fault held (a request sent just before a kill died in it).
+            during = [outcome for at, outcome in relative
+                      if at < fault["end"] and at + outcome.seconds > fault["start"]]
+            after = [(at, outcome) for at, outcome in relative if fault["end"] <= at < until and outcome.ok]
+            errors = [outcome for outcome in during if not outcome.ok and not outcome.server_down]
+            down = [outcome for outcome in during + [o for _, o in after] if not outcome.ok and outcome.server_down]
+            differs = [outcome for outcome in during if outcome.differs]
+            latency = [outcome.seconds for outcome in during if outcome.ok] or [0.0]
+            # Back: the first RECOVERY_WINDOW requests in a row, starting among the first RECOVERY_REQUESTS after
+            # the fault ended, whose prompts came from caches at least 0.8 times as much as before the faults.
+            back = next((after[count + RECOVERY_WINDOW - 1][0] - fault["end"]
+                         for count in range(min(RECOVERY_REQUESTS, len(after) - RECOVERY_WINDOW + 1))
+                         if cached_share([o for _, o in after[count:count + RECOVERY_WINDOW]]) >= 0.8 * steady_share),
+                        None)
+            stored = self._store_hits(fault["start"], min(until, fault["end"] + 60.0))
+            if errors:
+                problems.append(f"{fault['fault']}: {len(errors)} requests failed ({errors[0].error})")
+            if differs:
+                problems.append(f"{fault['fault']}: {len(differs)} answers differ from the computed ones")
+            if back is None and len(after) >= RECOVERY_WINDOW:
+                problems.append(f"{fault['fault']}: caches did not serve {0.8 * steady_share:.2f} of prompts within "
+                                f"{RECOVERY_REQUESTS} requests after it ended")
+            row = {"fault": fault["fault"], "requests": len(during), "errors": len(errors),
+                   "killed server's": len(down), "differ": len(differs),
+                   "ties": sum(outcome.tie for outcome in during),
+                   "p50 s": percentile(latency, 0.5), "p99 s": percentile(latency, 0.99),
+                   "steady p50 s": percentile(steady_latency, 0.5), "steady p99 s": percentile(steady_latency, 0.99),
+                   "hits back after s": back, "store hit tokens": stored}
+            json_rows.append(row)
+            rows.append(row)
+        every_error = [outcome for outcome in outcomes if not outcome.ok and not outcome.server_down]
+        late = [outcome for outcome in outcomes if outcome.ok and outcome.seconds > self.timeout]
+        if every_error and not any(problem.endswith(")") for problem in problems):
+            problems.append(f"{len(every_error)} requests failed outside the faults ({every_error[0].error})")
+        if late:
+            problems.append(f"{len(late)} requests took longer than {self.timeout} s")
+        differs_total = sum(outcome.differs for outcome in outcomes)
+        if differs_total and not any("differ" in problem for problem in problems):
+            problems.append(f"{differs_total} answers differ from the computed ones outside the faults")
+        flat = self._flatness(problems)
+        self._budgets(problems)
+        for name, found in metrics.items():
+            loaded = sum(value for key, value in found.items() if key.startswith("vllm:kvgroups_loaded_tokens_total"))
+            external = sum(value for key, value in found.items()
+                           if key.startswith("vllm:external_prefix_cache_hits_total"))
+            if loaded > external:
+                problems.append(f"{name}: /metrics says the connector loaded {loaded:.0f} tokens, more than the "
+                                f"{external:.0f} vLLM served from its external cache")
+        self._print(rows, outcomes, flat, metrics, steady_share)
+        slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
+        print("\nslowest requests: " + ", ".join(f"{outcome.server} at {at:.1f} s took {outcome.seconds:.1f} s"
+                                                 for at, outcome in slowest))
+        result = {"faults": json_rows, "requests": len(outcomes), "failed": len(every_error),
+                  "timeline": [{"at": round(at, 3), **{key: value for key, value in vars(outcome).items()
+                                                        if key not in ("tokens", "started")}}
+                               for at, outcome in relative],
+                  "fault times": self.faults_run,
+                  "killed server's": sum(outcome.server_down for outcome in outcomes), "differ": differs_total,
+                  "ties": sum(outcome.tie for outcome in outcomes), "flat": flat, "problems": problems,
+                  "steady cached share": steady_share, "minutes": self.arguments.minutes}
+        Path(self.arguments.json).write_text(json.dumps(result, indent=2))
+        for problem in problems:
+            print(f"BROKEN: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+
+    def _store_hits(self, start: float, end: float) -> int:
+        """Prompt tokens the servers loaded from the store between ``start`` and ``end`` (seconds from the
+        start), from their /metrics counters as sampled (a restarted server's counters start again)."""
+        total = 0.0
+        for name, samples in self.samples.items():
+            if name == "cluster":
+                continue
+            inside = [sample for sample in samples if "external_hits" in sample
+                      and start <= sample["time"] - self.start <= end]
+            for before, after in itertools.pairwise(inside):
+                if before["incarnation"] == after["incarnation"]:
+                    total += max(0.0, after["external_hits"] - before["external_hits"])
+        return int(total)
+
+    def _flatness(self, problems: list[str]) -> dict[str, dict[str, float]]:
+        """Per server (its longest run, when it ran long enough), the last quarter's median of each
+        resource over the second quarter's."""
+        found: dict[str, dict[str, float]] = {}
+        for name, samples in self.samples.items():
+            if name == "cluster":
+                continue
+            runs: dict[int, list[dict[str, Any]]] = {}
+            for sample in samples:
+                runs.setdefault(sample["incarnation"], []).append(sample)
+            last = max(runs.values(), key=len)  # a server killed and started again: its longest run
+            if len(last) < 16:
+                continue
+            quarter = len(last) // 4
+            second, fourth = last[quarter:2 * quarter], last[3 * quarter:]
+            found[name] = {kind: statistics.median(s[kind] for s in fourth) / max(1, statistics.median(
+                s[kind] for s in second)) for kind in ("rss", "threads", "files")}
+            for kind, growth in found[name].items():
+                if growth > 1.05:
+                    problems.append(f"{name}: {kind} grew {growth:.3f}x from the second quarter to the last")
+        return found
+
+    def _budgets(self, problems: list[str]) -> None:
+        for name, samples in self.samples.items():
+            if name == "cluster":
+                worst = max((sample["used"] for sample in samples), default=0)
+                if worst > CLUSTER_MAXMEMORY * 1.1:
+                    problems.append(f"a cluster master held {worst} bytes, over its maxmemory {CLUSTER_MAXMEMORY}")
+                continue
+            worst = max((sample["tier_bytes"] for sample in samples), default=0)
+            if worst > (TIER_BUDGET_MIB << 20) * 1.05:
+                problems.append(f"{name}'s file tier held {worst} bytes, over its budget of {TIER_BUDGET_MIB} MiB")
+
+    def _print(self, rows: list[dict[str, Any]], outcomes: list[Outcome], flat: dict[str, dict[str, float]],
+               metrics: dict[str, dict[str, float]], steady_share: float) -> None:
+        print(f"\n{self.arguments.minutes:g} minutes, {2 * self.arguments.clients} clients on 2 servers; "
+              f"{len(outcomes)} requests (each asked twice: served, and computed from nothing); before the first "
+              f"fault {steady_share:.2f} of prompt tokens came from caches\n")
+        columns = list(rows[0]) if rows else []
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for row in rows:
+            print("| " + " | ".join("-" if value is None else f"{value:.2f}" if isinstance(value, float)
+                                    else str(value) for value in row.values()) + " |")
+        for name, growth in flat.items():
+            print(f"\n{name}: last quarter / second quarter: " + ", ".join(f"{kind} {value:.3f}x"
+                                                                            for kind, value in growth.items()))
+        for name, found in metrics.items():
+            loaded = sum(v for k, v in found.items() if k.startswith("vllm:kvgroups_loaded_tokens_total"))
+            external = sum(v for k, v in found.items() if k.startswith("vllm:external_prefix_cache_hits_total"))
+            print(f"{name}: /metrics: connector loaded {loaded:.0f} tokens; vLLM's external-cache hits {external:.0f}")
+
+
+def cached_share(outcomes: list[Outcome]) -> float:
+    """The share of these requests' prompt tokens that came from caches (vLLM's own and the store)."""
+    prompt = sum(outcome.prompt_tokens for outcome in outcomes)
+    return sum(outcome.cached_tokens for outcome in outcomes) / prompt if prompt else 0.0
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=60)
+    parser.add_argument("--clients", type=int, default=3, help="per server")
+    parser.add_argument("--rounds", type=int, default=6, help="questions per conversation")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds a request may take")
+    parser.add_argument("--quick", action="store_true", help="every fault once, about 6 minutes with start-ups")
+    parser.add_argument("--json", default="soak.json")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.minutes = min(arguments.minutes, 3.5)
+        arguments.clients = min(arguments.clients, 2)
+    if os.geteuid() != 0:
+        raise SystemExit("the soak mounts tmpfs file tiers: run it as root")
+    with tempfile.TemporaryDirectory(prefix="kvgroups-soak-") as directory:
+        sys.exit(Soak(arguments, Path(directory)).run())
+
+
+if __name__ == "__main__":
+    main()
