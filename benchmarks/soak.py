@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +45,6 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,38 +53,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
+from benchmarks.soak_report import TIE_LOGPROB, Outcome, SoakReport  # noqa: E402
 from tests.servers import free_port, running_cluster  # noqa: E402
 
 CHUNK = 64
-TIE_LOGPROB = 1e-3  # a computed answer's two best tokens closer than this: a tie, not a difference
 RESTART_NICENESS = -10
-STEADY_AFTER_SECONDS = 10.0  # the steady state: from this long after the clients start to the first fault
 TAIL_SECONDS = 40.0  # the run goes on at least this long after the last fault ends
-RECOVERY_REQUESTS = 40
-RECOVERY_WINDOW = 8  # after a fault ends, requests until the cache share must be back
 TIER_MIB, TIER_BUDGET_MIB = 96, 64  # each file tier's tmpfs, and the store's budget in it
 CLUSTER_MAXMEMORY = 256 << 20
 MODELS = {"llama": "llama", "hybrid": "gemma3"}
 # Each server's KV space: a little more than one 2048-token sequence, so that conversations leave vLLM's own
 # prefix cache and come back from the store (llama-like: 1 KiB of K/V a token; Gemma-3-like: 2 KiB).
 KV_MIB = {"llama": 3, "hybrid": 5}
-
-
-@dataclass
-class Outcome:
-    """One request's result, as a client saw it."""
-
-    server: str
-    started: float
-    seconds: float
-    ok: bool
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    tokens: list[int] = field(default_factory=list)
-    error: str = ""
-    differs: bool = False
-    tie: bool = False
-    server_down: bool = False  # the server was killed while it ran, or was down when it was sent
 
 
 class Server:
@@ -192,6 +169,11 @@ def tokens(seed: int, count: int) -> list[int]:
     return [rng.randrange(4, 500) for _ in range(count)]
 
 
+def cached_of(response: dict[str, Any]) -> int:
+    """The prompt tokens vLLM served from caches (its own and the connector's) for this request."""
+    return int((response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
 def answer_of(response: dict[str, Any]) -> tuple[list[int], list[dict[str, float]]]:
     """The answer's token ids and each position's two best logprobs."""
     choice = response["choices"][0]
@@ -245,9 +227,8 @@ class Client(threading.Thread):
         got, _ = answer_of(reused)
         want, top = answer_of(computed)
         outcome = Outcome(server.name, started, time.monotonic() - started, ok=True,
-                          prompt_tokens=int(reused["usage"]["prompt_tokens"]),
-                          cached_tokens=int((reused["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                                            or 0), tokens=got)
+                          prompt_tokens=int(reused["usage"]["prompt_tokens"]), cached_tokens=cached_of(reused),
+                          tokens=got, incarnation=incarnation, reference_cached_tokens=cached_of(computed))
         if got != want:
             first = next(index for index, (a, b) in enumerate(zip([*got, None], [*want, None], strict=False))
                          if a != b)
@@ -309,7 +290,8 @@ class Soak:
         quick = self.arguments.quick
         warm, length, gap = (30.0, 8.0, 12.0) if quick else (180.0, 45.0, 75.0)
         total = self.arguments.minutes * 60
-        plan, at = [], warm
+        plan: list[tuple[float, float, Fault]] = []
+        at = warm
         while True:
             for fault in faults:
                 if at + length + gap > total and plan and not quick:
@@ -390,159 +372,10 @@ class Soak:
         while time.monotonic() - self.start < at and not self.stopping.is_set():
             time.sleep(min(1.0, at - (time.monotonic() - self.start)))
 
-    # --- the report --------------------------------------------------------------------------------
     def report(self, metrics: dict[str, dict[str, float]]) -> int:
-        problems: list[str] = []
-        outcomes = sorted(self.outcomes, key=lambda outcome: outcome.started)
-        relative = [(outcome.started - self.start, outcome) for outcome in outcomes]
-        first_fault = self.faults_run[0]["start"] if self.faults_run else float("inf")
-        steady = [outcome for at, outcome in relative if outcome.ok and STEADY_AFTER_SECONDS <= at < first_fault]
-        steady_latency = [outcome.seconds for outcome in steady] or [0.0]
-        steady_share = cached_share(steady)
-        rows, json_rows = [], []
-        for index, fault in enumerate(self.faults_run):
-            until = self.faults_run[index + 1]["start"] if index + 1 < len(self.faults_run) else float("inf")
-            # In flight at any time while the fault held (a request sent just before a kill died in it).
-            during = [outcome for at, outcome in relative
-                      if at < fault["end"] and at + outcome.seconds > fault["start"]]
-            after = [(at, outcome) for at, outcome in relative if fault["end"] <= at < until and outcome.ok]
-            errors = [outcome for outcome in during if not outcome.ok and not outcome.server_down]
-            down = [outcome for outcome in during + [o for _, o in after] if not outcome.ok and outcome.server_down]
-            differs = [outcome for outcome in during if outcome.differs]
-            latency = [outcome.seconds for outcome in during if outcome.ok] or [0.0]
-            # Back: the first RECOVERY_WINDOW requests in a row, starting among the first RECOVERY_REQUESTS after
-            # the fault ended, whose prompts came from caches at least 0.8 times as much as before the faults.
-            back = next((after[count + RECOVERY_WINDOW - 1][0] - fault["end"]
-                         for count in range(min(RECOVERY_REQUESTS, len(after) - RECOVERY_WINDOW + 1))
-                         if cached_share([o for _, o in after[count:count + RECOVERY_WINDOW]]) >= 0.8 * steady_share),
-                        None)
-            stored = self._store_hits(fault["start"], min(until, fault["end"] + 60.0))
-            if errors:
-                problems.append(f"{fault['fault']}: {len(errors)} requests failed ({errors[0].error})")
-            if differs:
-                problems.append(f"{fault['fault']}: {len(differs)} answers differ from the computed ones")
-            if back is None and len(after) >= RECOVERY_WINDOW:
-                problems.append(f"{fault['fault']}: caches did not serve {0.8 * steady_share:.2f} of prompts within "
-                                f"{RECOVERY_REQUESTS} requests after it ended")
-            row = {"fault": fault["fault"], "requests": len(during), "errors": len(errors),
-                   "killed server's": len(down), "differ": len(differs),
-                   "ties": sum(outcome.tie for outcome in during),
-                   "p50 s": percentile(latency, 0.5), "p99 s": percentile(latency, 0.99),
-                   "steady p50 s": percentile(steady_latency, 0.5), "steady p99 s": percentile(steady_latency, 0.99),
-                   "hits back after s": back, "store hit tokens": stored}
-            json_rows.append(row)
-            rows.append(row)
-        every_error = [outcome for outcome in outcomes if not outcome.ok and not outcome.server_down]
-        late = [outcome for outcome in outcomes if outcome.ok and outcome.seconds > self.timeout]
-        if every_error and not any(problem.endswith(")") for problem in problems):
-            problems.append(f"{len(every_error)} requests failed outside the faults ({every_error[0].error})")
-        if late:
-            problems.append(f"{len(late)} requests took longer than {self.timeout} s")
-        differs_total = sum(outcome.differs for outcome in outcomes)
-        if differs_total and not any("differ" in problem for problem in problems):
-            problems.append(f"{differs_total} answers differ from the computed ones outside the faults")
-        flat = self._flatness(problems)
-        self._budgets(problems)
-        for name, found in metrics.items():
-            loaded = sum(value for key, value in found.items() if key.startswith("vllm:kvgroups_loaded_tokens_total"))
-            external = sum(value for key, value in found.items()
-                           if key.startswith("vllm:external_prefix_cache_hits_total"))
-            if loaded > external:
-                problems.append(f"{name}: /metrics says the connector loaded {loaded:.0f} tokens, more than the "
-                                f"{external:.0f} vLLM served from its external cache")
-        self._print(rows, outcomes, flat, metrics, steady_share)
-        slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
-        print("\nslowest requests: " + ", ".join(f"{outcome.server} at {at:.1f} s took {outcome.seconds:.1f} s"
-                                                 for at, outcome in slowest))
-        result = {"faults": json_rows, "requests": len(outcomes), "failed": len(every_error),
-                  "timeline": [{"at": round(at, 3), **{key: value for key, value in vars(outcome).items()
-                                                        if key not in ("tokens", "started")}}
-                               for at, outcome in relative],
-                  "fault times": self.faults_run,
-                  "killed server's": sum(outcome.server_down for outcome in outcomes), "differ": differs_total,
-                  "ties": sum(outcome.tie for outcome in outcomes), "flat": flat, "problems": problems,
-                  "steady cached share": steady_share, "minutes": self.arguments.minutes}
-        Path(self.arguments.json).write_text(json.dumps(result, indent=2))
-        for problem in problems:
-            print(f"BROKEN: {problem}", file=sys.stderr)
-        return 1 if problems else 0
-
-    def _store_hits(self, start: float, end: float) -> int:
-        """Prompt tokens the servers loaded from the store between ``start`` and ``end`` (seconds from the
-        start), from their /metrics counters as sampled (a restarted server's counters start again)."""
-        total = 0.0
-        for name, samples in self.samples.items():
-            if name == "cluster":
-                continue
-            inside = [sample for sample in samples if "external_hits" in sample
-                      and start <= sample["time"] - self.start <= end]
-            for before, after in itertools.pairwise(inside):
-                if before["incarnation"] == after["incarnation"]:
-                    total += max(0.0, after["external_hits"] - before["external_hits"])
-        return int(total)
-
-    def _flatness(self, problems: list[str]) -> dict[str, dict[str, float]]:
-        """Per server (its longest run, when it ran long enough), the last quarter's median of each
-        resource over the second quarter's."""
-        found: dict[str, dict[str, float]] = {}
-        for name, samples in self.samples.items():
-            if name == "cluster":
-                continue
-            runs: dict[int, list[dict[str, Any]]] = {}
-            for sample in samples:
-                runs.setdefault(sample["incarnation"], []).append(sample)
-            last = max(runs.values(), key=len)  # a server killed and started again: its longest run
-            if len(last) < 16:
-                continue
-            quarter = len(last) // 4
-            second, fourth = last[quarter:2 * quarter], last[3 * quarter:]
-            found[name] = {kind: statistics.median(s[kind] for s in fourth) / max(1, statistics.median(
-                s[kind] for s in second)) for kind in ("rss", "threads", "files")}
-            for kind, growth in found[name].items():
-                if growth > 1.05:
-                    problems.append(f"{name}: {kind} grew {growth:.3f}x from the second quarter to the last")
-        return found
-
-    def _budgets(self, problems: list[str]) -> None:
-        for name, samples in self.samples.items():
-            if name == "cluster":
-                worst = max((sample["used"] for sample in samples), default=0)
-                if worst > CLUSTER_MAXMEMORY * 1.1:
-                    problems.append(f"a cluster master held {worst} bytes, over its maxmemory {CLUSTER_MAXMEMORY}")
-                continue
-            worst = max((sample["tier_bytes"] for sample in samples), default=0)
-            if worst > (TIER_BUDGET_MIB << 20) * 1.05:
-                problems.append(f"{name}'s file tier held {worst} bytes, over its budget of {TIER_BUDGET_MIB} MiB")
-
-    def _print(self, rows: list[dict[str, Any]], outcomes: list[Outcome], flat: dict[str, dict[str, float]],
-               metrics: dict[str, dict[str, float]], steady_share: float) -> None:
-        print(f"\n{self.arguments.minutes:g} minutes, {2 * self.arguments.clients} clients on 2 servers; "
-              f"{len(outcomes)} requests (each asked twice: served, and computed from nothing); before the first "
-              f"fault {steady_share:.2f} of prompt tokens came from caches\n")
-        columns = list(rows[0]) if rows else []
-        print("| " + " | ".join(columns) + " |")
-        print("|" + "---|" * len(columns))
-        for row in rows:
-            print("| " + " | ".join("-" if value is None else f"{value:.2f}" if isinstance(value, float)
-                                    else str(value) for value in row.values()) + " |")
-        for name, growth in flat.items():
-            print(f"\n{name}: last quarter / second quarter: " + ", ".join(f"{kind} {value:.3f}x"
-                                                                            for kind, value in growth.items()))
-        for name, found in metrics.items():
-            loaded = sum(v for k, v in found.items() if k.startswith("vllm:kvgroups_loaded_tokens_total"))
-            external = sum(v for k, v in found.items() if k.startswith("vllm:external_prefix_cache_hits_total"))
-            print(f"{name}: /metrics: connector loaded {loaded:.0f} tokens; vLLM's external-cache hits {external:.0f}")
-
-
-def cached_share(outcomes: list[Outcome]) -> float:
-    """The share of these requests' prompt tokens that came from caches (vLLM's own and the store)."""
-    prompt = sum(outcome.prompt_tokens for outcome in outcomes)
-    return sum(outcome.cached_tokens for outcome in outcomes) / prompt if prompt else 0.0
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+        return SoakReport(self.outcomes, self.samples, self.faults_run, self.start, self.arguments,
+                          self.sampler_errors, tier_budget_bytes=TIER_BUDGET_MIB << 20,
+                          cluster_maxmemory=CLUSTER_MAXMEMORY).write(metrics)
 
 
 def main() -> None:

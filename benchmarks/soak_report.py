@@ -1,0 +1,227 @@
+"""The soak's report (``benchmarks/soak.py``): what the clients saw, per fault and in all, against the
+invariants the run must keep, printed as tables and written as JSON.
+
+A request counts against a fault when it was in flight at any time while the fault held. The cache
+share before the first fault (from ``STEADY_AFTER_SECONDS`` on) is the steady state; after a fault
+ends, hits are back once ``RECOVERY_WINDOW`` requests in a row, starting among the first
+``RECOVERY_REQUESTS``, had at least 0.8 of that share of their prompts served from caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIE_LOGPROB = 1e-3  # a computed answer's two best tokens closer than this: a tie, not a difference
+STEADY_AFTER_SECONDS = 10.0  # the steady state: from this long after the clients start to the first fault
+RECOVERY_REQUESTS = 40  # hits must be back starting among this many requests after a fault ends
+RECOVERY_WINDOW = 8  # requests in a row that must be served from caches as before the faults
+
+
+@dataclass
+class Outcome:
+    """One request's result, as a client saw it."""
+
+    server: str
+    started: float
+    seconds: float
+    ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    error: str = ""
+    differs: bool = False
+    tie: bool = False
+    server_down: bool = False  # the server was killed while it ran, or was down when it was sent
+    incarnation: int = 0  # which start of its server answered
+    reference_cached_tokens: int = 0  # the computed answer's: must be 0 (a fresh cache salt, the store off)
+
+
+class SoakReport:
+    """The outcomes and samples of one soak, and the faults it ran, held to the invariants."""
+
+    def __init__(self, outcomes: list[Outcome], samples: dict[str, list[dict[str, Any]]],
+                 faults_run: list[dict[str, Any]], start: float, arguments: argparse.Namespace,
+                 sampler_errors: list[str], *, tier_budget_bytes: int, cluster_maxmemory: int) -> None:
+        self.outcomes, self.samples, self.faults_run, self.start = outcomes, samples, faults_run, start
+        self.arguments, self.timeout, self.sampler_errors = arguments, arguments.timeout, sampler_errors
+        self.tier_budget_bytes, self.cluster_maxmemory = tier_budget_bytes, cluster_maxmemory
+        self.cached_seen: dict[str, tuple[int, float]] = {}  # server: (clients' cached tokens, /metrics')
+
+    def write(self, metrics: dict[str, dict[str, float]]) -> int:
+        """Print the tables, write the JSON, and return the exit status: 1 if an invariant broke."""
+        problems: list[str] = []
+        outcomes = sorted(self.outcomes, key=lambda outcome: outcome.started)
+        relative = [(outcome.started - self.start, outcome) for outcome in outcomes]
+        first_fault = self.faults_run[0]["start"] if self.faults_run else float("inf")
+        steady = [outcome for at, outcome in relative if outcome.ok and STEADY_AFTER_SECONDS <= at < first_fault]
+        steady_latency = [outcome.seconds for outcome in steady] or [0.0]
+        steady_share = cached_share(steady)
+        rows, json_rows = [], []
+        for index, fault in enumerate(self.faults_run):
+            until = self.faults_run[index + 1]["start"] if index + 1 < len(self.faults_run) else float("inf")
+            # In flight at any time while the fault held (a request sent just before a kill died in it).
+            during = [outcome for at, outcome in relative
+                      if at < fault["end"] and at + outcome.seconds > fault["start"]]
+            after = [(at, outcome) for at, outcome in relative if fault["end"] <= at < until and outcome.ok]
+            errors = [outcome for outcome in during if not outcome.ok and not outcome.server_down]
+            down = [outcome for outcome in during + [o for _, o in after] if not outcome.ok and outcome.server_down]
+            differs = [outcome for outcome in during if outcome.differs]
+            latency = [outcome.seconds for outcome in during if outcome.ok] or [0.0]
+            # Back: the first RECOVERY_WINDOW requests in a row, starting among the first RECOVERY_REQUESTS after
+            # the fault ended, whose prompts came from caches at least 0.8 times as much as before the faults.
+            back = next((after[count + RECOVERY_WINDOW - 1][0] - fault["end"]
+                         for count in range(min(RECOVERY_REQUESTS, len(after) - RECOVERY_WINDOW + 1))
+                         if cached_share([o for _, o in after[count:count + RECOVERY_WINDOW]]) >= 0.8 * steady_share),
+                        None)
+            stored = self._store_hits(fault["start"], min(until, fault["end"] + 60.0))
+            if errors:
+                problems.append(f"{fault['fault']}: {len(errors)} requests failed ({errors[0].error})")
+            if differs:
+                problems.append(f"{fault['fault']}: {len(differs)} answers differ from the computed ones")
+            if back is None and len(after) >= RECOVERY_WINDOW:
+                problems.append(f"{fault['fault']}: caches did not serve {0.8 * steady_share:.2f} of prompts within "
+                                f"{RECOVERY_REQUESTS} requests after it ended")
+            row = {"fault": fault["fault"], "requests": len(during), "errors": len(errors),
+                   "killed server's": len(down), "differ": len(differs),
+                   "ties": sum(outcome.tie for outcome in during),
+                   "p50 s": percentile(latency, 0.5), "p99 s": percentile(latency, 0.99),
+                   "steady p50 s": percentile(steady_latency, 0.5), "steady p99 s": percentile(steady_latency, 0.99),
+                   "hits back after s": back, "store hit tokens": stored}
+            json_rows.append(row)
+            rows.append(row)
+        every_error = [outcome for outcome in outcomes if not outcome.ok and not outcome.server_down]
+        late = [outcome for outcome in outcomes if outcome.ok and outcome.seconds > self.timeout]
+        if every_error and not any(problem.endswith(")") for problem in problems):
+            problems.append(f"{len(every_error)} requests failed outside the faults ({every_error[0].error})")
+        if late:
+            problems.append(f"{len(late)} requests took longer than {self.timeout} s")
+        differs_total = sum(outcome.differs for outcome in outcomes)
+        if differs_total and not any("differ" in problem for problem in problems):
+            problems.append(f"{differs_total} answers differ from the computed ones outside the faults")
+        flat = self._flatness(problems)
+        self._budgets(problems)
+        referenced = [outcome for outcome in outcomes if outcome.reference_cached_tokens]
+        if referenced:
+            problems.append(f"{len(referenced)} computed answers (a fresh cache salt, the store off) were served "
+                            f"{referenced[0].reference_cached_tokens} tokens from a cache")
+        for name, found in metrics.items():
+            # What the clients of the server's last start saw served from caches, against its counter.
+            last = max((outcome.incarnation for outcome in outcomes if outcome.server == name), default=0)
+            seen = sum(outcome.cached_tokens for outcome in outcomes
+                       if outcome.server == name and outcome.ok and outcome.incarnation == last)
+            counted = sum(value for key, value in found.items() if key.startswith("vllm:prompt_tokens_cached_total"))
+            self.cached_seen[name] = (seen, counted)
+            if seen != counted:
+                problems.append(f"{name}: its clients saw {seen} prompt tokens served from caches, /metrics counted "
+                                f"{counted:.0f}")
+            loaded = sum(value for key, value in found.items() if key.startswith("vllm:kvgroups_loaded_tokens_total"))
+            external = sum(value for key, value in found.items()
+                           if key.startswith("vllm:external_prefix_cache_hits_total"))
+            if loaded > external:
+                problems.append(f"{name}: /metrics says the connector loaded {loaded:.0f} tokens, more than the "
+                                f"{external:.0f} vLLM served from its external cache")
+        self._print(rows, outcomes, flat, metrics, steady_share)
+        slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
+        print("\nslowest requests: " + ", ".join(f"{outcome.server} at {at:.1f} s took {outcome.seconds:.1f} s"
+                                                 for at, outcome in slowest))
+        result = {"faults": json_rows, "requests": len(outcomes), "failed": len(every_error),
+                  "timeline": [{"at": round(at, 3), **{key: value for key, value in vars(outcome).items()
+                                                        if key not in ("tokens", "started")}}
+                               for at, outcome in relative],
+                  "fault times": self.faults_run,
+                  "killed server's": sum(outcome.server_down for outcome in outcomes), "differ": differs_total,
+                  "ties": sum(outcome.tie for outcome in outcomes), "flat": flat, "problems": problems,
+                  "steady cached share": steady_share, "minutes": self.arguments.minutes,
+                  "cached tokens (clients, /metrics)": self.cached_seen, "samples lost": self.sampler_errors}
+        Path(self.arguments.json).write_text(json.dumps(result, indent=2))
+        for problem in problems:
+            print(f"BROKEN: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+
+    def _store_hits(self, start: float, end: float) -> int:
+        """Prompt tokens the servers loaded from the store between ``start`` and ``end`` (seconds from the
+        start), from their /metrics counters as sampled (a restarted server's counters start again)."""
+        total = 0.0
+        for name, samples in self.samples.items():
+            if name == "cluster":
+                continue
+            inside = [sample for sample in samples if "external_hits" in sample
+                      and start <= sample["time"] - self.start <= end]
+            for before, after in itertools.pairwise(inside):
+                if before["incarnation"] == after["incarnation"]:
+                    total += max(0.0, after["external_hits"] - before["external_hits"])
+        return int(total)
+
+    def _flatness(self, problems: list[str]) -> dict[str, dict[str, float]]:
+        """Per server (its longest run, when it ran long enough), the last quarter's median of each
+        resource over the second quarter's."""
+        found: dict[str, dict[str, float]] = {}
+        for name, samples in self.samples.items():
+            if name == "cluster":
+                continue
+            runs: dict[int, list[dict[str, Any]]] = {}
+            for sample in samples:
+                runs.setdefault(sample["incarnation"], []).append(sample)
+            last = max(runs.values(), key=len)  # a server killed and started again: its longest run
+            if len(last) < 16:
+                continue
+            quarter = len(last) // 4
+            second, fourth = last[quarter:2 * quarter], last[3 * quarter:]
+            found[name] = {kind: statistics.median(s[kind] for s in fourth) / max(1, statistics.median(
+                s[kind] for s in second)) for kind in ("rss", "threads", "files")}
+            for kind, growth in found[name].items():
+                if growth > 1.05:
+                    problems.append(f"{name}: {kind} grew {growth:.3f}x from the second quarter to the last")
+        return found
+
+    def _budgets(self, problems: list[str]) -> None:
+        for name, samples in self.samples.items():
+            if name == "cluster":
+                worst = max((sample["used"] for sample in samples), default=0)
+                if worst > self.cluster_maxmemory * 1.1:
+                    problems.append(f"a cluster master held {worst} bytes, over its maxmemory {self.cluster_maxmemory}")
+                continue
+            worst = max((sample["tier_bytes"] for sample in samples), default=0)
+            if worst > self.tier_budget_bytes * 1.05:
+                problems.append(f"{name}'s file tier held {worst} bytes, over its budget of {self.tier_budget_bytes}")
+
+    def _print(self, rows: list[dict[str, Any]], outcomes: list[Outcome], flat: dict[str, dict[str, float]],
+               metrics: dict[str, dict[str, float]], steady_share: float) -> None:
+        print(f"\n{self.arguments.minutes:g} minutes, {2 * self.arguments.clients} clients on 2 servers; "
+              f"{len(outcomes)} requests (each asked twice: served, and computed from nothing); before the first "
+              f"fault {steady_share:.2f} of prompt tokens came from caches\n")
+        columns = list(rows[0]) if rows else []
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for row in rows:
+            print("| " + " | ".join("-" if value is None else f"{value:.2f}" if isinstance(value, float)
+                                    else str(value) for value in row.values()) + " |")
+        for name, growth in flat.items():
+            print(f"\n{name}: last quarter / second quarter: " + ", ".join(f"{kind} {value:.3f}x"
+                                                                            for kind, value in growth.items()))
+        for name, found in metrics.items():
+            loaded = sum(v for k, v in found.items() if k.startswith("vllm:kvgroups_loaded_tokens_total"))
+            external = sum(v for k, v in found.items() if k.startswith("vllm:external_prefix_cache_hits_total"))
+            seen, counted = self.cached_seen.get(name, (0, 0.0))
+            print(f"{name}: /metrics: connector loaded {loaded:.0f} tokens; vLLM's external-cache hits {external:.0f}; "
+                  f"cached prompt tokens {counted:.0f}, its clients saw {seen}")
+        if self.sampler_errors:
+            print(f"{len(self.sampler_errors)} samples lost: {self.sampler_errors[0]}")
+
+
+def cached_share(outcomes: list[Outcome]) -> float:
+    """The share of these requests' prompt tokens that came from caches (vLLM's own and the store)."""
+    prompt = sum(outcome.prompt_tokens for outcome in outcomes)
+    return sum(outcome.cached_tokens for outcome in outcomes) / prompt if prompt else 0.0
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]

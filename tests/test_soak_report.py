@@ -1,0 +1,86 @@
+"""The soak's report (benchmarks/soak_report.py) on outcomes made up here: each invariant it holds breaks
+the run when broken, and a clean run passes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from benchmarks.soak_report import Outcome, SoakReport
+
+FAULT = {"fault": "master killed", "what": "a master killed", "start": 30.0, "end": 40.0}
+
+
+def steady_run(tmp_path: Path) -> tuple[list[Outcome], dict[str, list[dict[str, Any]]]]:
+    """One request a second for 80 s, 300 of 400 prompt tokens from caches, but for 30-40 s (none)."""
+    outcomes = [Outcome("llama", started=float(at), seconds=0.2, ok=True, prompt_tokens=400,
+                        cached_tokens=0 if 30 <= at < 40 else 300, incarnation=1) for at in range(80)]
+    samples = {"llama": [{"time": float(at), "incarnation": 1, "rss": 1000, "threads": 10, "files": 20,
+                          "tier_bytes": 100, "external_hits": at * 10.0} for at in range(0, 80, 4)],
+               "cluster": [{"time": 1.0, "used": 10}]}
+    return outcomes, samples
+
+
+def write(tmp_path: Path, outcomes: list[Outcome], samples: dict[str, list[dict[str, Any]]],
+          metrics: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    arguments = argparse.Namespace(timeout=120.0, minutes=80 / 60, clients=1, json=str(tmp_path / "soak.json"))
+    cached = sum(outcome.cached_tokens for outcome in outcomes if outcome.ok)
+    metrics = metrics if metrics is not None else {"llama": {"vllm:prompt_tokens_cached_total{}": float(cached)}}
+    status = SoakReport(outcomes, samples, [dict(FAULT)], 0.0, arguments, [], tier_budget_bytes=1000,
+                        cluster_maxmemory=100).write(metrics)
+    result = json.loads((tmp_path / "soak.json").read_text())
+    assert status == (1 if result["problems"] else 0)
+    return dict(result)
+
+
+def test_a_clean_run_passes_and_says_when_hits_came_back(tmp_path: Path) -> None:
+    result = write(tmp_path, *steady_run(tmp_path))
+    assert result["problems"] == []
+    (row,) = result["faults"]
+    assert row["requests"] == 10  # sent at 30, 31, ... 39 s
+    assert row["hits back after s"] == pytest.approx(7.0)  # 40..47: eight in a row served as before
+    assert row["store hit tokens"] == 440  # the counter sampled at 32, 36, ... 76 s: up 10 a second
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda o, s: o.append(Outcome("llama", 35.0, 1.0, ok=False, error="refused", incarnation=1)),
+     "master killed: 1 requests failed (refused)"),
+    (lambda o, s: setattr(o[33], "differs", True), "master killed: 1 answers differ from the computed ones"),
+    (lambda o, s: [setattr(each, "cached_tokens", 0) for each in o[40:]],
+     "master killed: caches did not serve 0.60 of prompts within 40 requests after it ended"),
+    (lambda o, s: setattr(o[50], "seconds", 121.0), "1 requests took longer than 120.0 s"),
+    (lambda o, s: setattr(o[5], "reference_cached_tokens", 64),
+     "1 computed answers (a fresh cache salt, the store off) were served 64 tokens from a cache"),
+    (lambda o, s: [sample.update(rss=1100) for sample in s["llama"][15:]],
+     "llama: rss grew 1.100x from the second quarter to the last"),
+    (lambda o, s: s["llama"][3].update(tier_bytes=2000), "llama's file tier held 2000 bytes, over its budget of 1000"),
+    (lambda o, s: s["cluster"].append({"time": 2.0, "used": 200}),
+     "a cluster master held 200 bytes, over its maxmemory 100"),
+])
+def test_each_broken_invariant_fails_the_run(tmp_path: Path, change: Any, problem: str) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    cached = sum(outcome.cached_tokens for outcome in outcomes)
+    change(outcomes, samples)
+    result = write(tmp_path, outcomes, samples, {"llama": {"vllm:prompt_tokens_cached_total{}": float(
+        sum(outcome.cached_tokens for outcome in outcomes if outcome.ok) if "caches did not" in problem else cached)}})
+    assert problem in result["problems"], result["problems"]
+
+
+def test_metrics_that_disagree_with_the_clients_fail_the_run(tmp_path: Path) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    result = write(tmp_path, outcomes, samples, {"llama": {
+        "vllm:prompt_tokens_cached_total{}": 1.0, "vllm:kvgroups_loaded_tokens_total{}": 9.0,
+        "vllm:external_prefix_cache_hits_total{}": 5.0}})
+    assert result["problems"] == [
+        "llama: its clients saw 21000 prompt tokens served from caches, /metrics counted 1",
+        "llama: /metrics says the connector loaded 9 tokens, more than the 5 vLLM served from its external cache"]
+
+
+def test_a_killed_servers_requests_are_counted_apart(tmp_path: Path) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    outcomes.append(Outcome("llama", 29.95, 0.1, ok=False, error="Remote end closed", server_down=True))
+    result = write(tmp_path, outcomes, samples)
+    assert result["problems"] == [] and result["faults"][0]["killed server's"] == 1 and result["failed"] == 0
