@@ -85,13 +85,15 @@ test-vllm033: $(VLLM033_VENV)/.installed redis-server
 		tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
 		tests/vllm_connector/test_align_mode.py
 
-# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end.
+# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end; then the
+# soak's quick version alone (two servers and a cluster want both cores).
 test-vllm: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/pytest -n 2 --durations=8 tests/vllm_connector
+	$(VLLM_BIN)/pytest -n 2 --durations=8 tests/vllm_connector --ignore=tests/vllm_connector/test_soak.py
+	$(VLLM_BIN)/pytest --durations=1 tests/vllm_connector/test_soak.py
 
 # Serving through faults (benchmarks/soak.py): two vllm serve on one 3+3 cluster for an hour, every fault at
-# least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its three-minute version runs
-# in test-vllm (tests/vllm_connector/test_soak.py).
+# least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its quick version (every
+# fault once, about six minutes) runs in test-vllm (tests/vllm_connector/test_soak.py).
 SOAK_MINUTES ?= 60
 soak: $(VLLM_VENV)/.installed redis-server
 	$(VLLM_BIN)/python benchmarks/soak.py --minutes $(SOAK_MINUTES) --json soak.json
