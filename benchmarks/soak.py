@@ -94,9 +94,11 @@ class Server:
     def start(self) -> None:
         # Each server on CPUs of its own: left to bind itself, every vLLM CPU engine pins its worker to the
         # first CPU, and a server started again beside a busy one waits minutes there for its turn.
-        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus)),
-                       "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+        # No VLLM_CPU_KVCACHE_SPACE: set, it overrides --kv-cache-memory-bytes on vLLM's CPU platform, and a
+        # KV space of 1 GiB kept every conversation in vLLM's own prefix cache (the store served almost nothing).
+        environment = {name: value for name, value in os.environ.items() if name != "VLLM_CPU_KVCACHE_SPACE"}
+        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, self.cpus)),
+                           PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
         self.incarnation += 1
         log = open(self.directory / f"{self.name}-{self.incarnation}.log", "wb")  # noqa: SIM115 - the server's
         # Started again beside the other server's busy engine on a small machine, a server gets a few per cent

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from benchmarks.soak_report import Outcome, SoakReport
 
+LOADED = {"vllm:kvgroups_loaded_tokens_total{}": 640.0, "vllm:external_prefix_cache_hits_total{}": 640.0}
 FAULT = {"fault": "master killed", "what": "a master killed", "start": 30.0, "end": 40.0}
 
 
@@ -28,7 +29,8 @@ def write(tmp_path: Path, outcomes: list[Outcome], samples: dict[str, list[dict[
           metrics: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
     arguments = argparse.Namespace(timeout=120.0, minutes=80 / 60, clients=1, json=str(tmp_path / "soak.json"))
     cached = sum(outcome.cached_tokens for outcome in outcomes if outcome.ok)
-    metrics = metrics if metrics is not None else {"llama": {"vllm:prompt_tokens_cached_total{}": float(cached)}}
+    metrics = metrics if metrics is not None else {"llama": {"vllm:prompt_tokens_cached_total{}": float(cached),
+                                                             **LOADED}}
     status = SoakReport(outcomes, samples, [dict(FAULT)], 0.0, arguments, [], tier_budget_bytes=1000,
                         cluster_maxmemory=100).write(metrics)
     result = json.loads((tmp_path / "soak.json").read_text())
@@ -54,8 +56,9 @@ def test_a_clean_run_passes_and_says_when_hits_came_back(tmp_path: Path) -> None
     (lambda o, s: setattr(o[50], "seconds", 121.0), "1 requests took longer than 120.0 s"),
     (lambda o, s: setattr(o[5], "reference_cached_tokens", 64),
      "1 computed answers (a fresh cache salt, the store off) were served 64 tokens from a cache"),
-    (lambda o, s: [sample.update(rss=1100) for sample in s["llama"][15:]],
-     "llama: rss grew 1.100x from the second quarter to the last"),
+    (lambda o, s: [sample.update(rss=100 << 20) for sample in s["llama"]] + [
+        sample.update(rss=140 << 20) for sample in s["llama"][15:]],
+     "llama: rss grew 1.400x (+41943040) from the second quarter to the last"),
     (lambda o, s: s["llama"][3].update(tier_bytes=2000), "llama's file tier held 2000 bytes, over its budget of 1000"),
     (lambda o, s: s["cluster"].append({"time": 2.0, "used": 200}),
      "a cluster master held 200 bytes, over its maxmemory 100"),
@@ -65,8 +68,23 @@ def test_each_broken_invariant_fails_the_run(tmp_path: Path, change: Any, proble
     cached = sum(outcome.cached_tokens for outcome in outcomes)
     change(outcomes, samples)
     result = write(tmp_path, outcomes, samples, {"llama": {"vllm:prompt_tokens_cached_total{}": float(
-        sum(outcome.cached_tokens for outcome in outcomes if outcome.ok) if "caches did not" in problem else cached)}})
+        sum(outcome.cached_tokens for outcome in outcomes if outcome.ok) if "caches did not" in problem else cached),
+        **LOADED}})
     assert problem in result["problems"], result["problems"]
+
+
+def test_a_few_more_files_are_not_a_leak(tmp_path: Path) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    for sample in samples["llama"][15:]:
+        sample["files"] = 35  # 20 before: 1.75x, but 15 more
+    result = write(tmp_path, outcomes, samples)
+    assert result["problems"] == [] and result["flat"]["llama"]["files"] == 1.75
+
+
+def test_a_run_whose_store_served_nothing_fails(tmp_path: Path) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    result = write(tmp_path, outcomes, samples, {"llama": {"vllm:prompt_tokens_cached_total{}": 21000.0}})
+    assert result["problems"] == ["llama: the connector loaded nothing from the store: the run did not test it"]
 
 
 def test_metrics_that_disagree_with_the_clients_fail_the_run(tmp_path: Path) -> None:
