@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
-from benchmarks.soak_report import TIE_LOGPROB, Outcome, SoakReport  # noqa: E402
+from benchmarks.soak_report import EXTERNAL_HITS, TIE_LOGPROB, Outcome, SoakReport, counter  # noqa: E402
 from tests.servers import free_port, running_cluster  # noqa: E402
 
 CHUNK = 64
@@ -274,8 +274,7 @@ class Soak:
                 sample.update(incarnation=server.incarnation, tier_bytes=directory_bytes(tiers[name] / "kv"))
                 with contextlib.suppress(OSError, ValueError):
                     found = server.metrics()
-                    sample["external_hits"] = sum(value for key, value in found.items()
-                                                  if key.startswith("vllm:external_prefix_cache_hits_total"))
+                    sample["external_hits"] = counter(found, EXTERNAL_HITS)
                 self.samples.setdefault(name, []).append(sample)
         used = []
         # A stopped node does not answer (nor, while the topology is moving, may another): skip it this time.

@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ class Fault:
     what: str
     inject: Callable[[], None]
     undo: Callable[[], None] = lambda: None
-    notes: list[str] = field(default_factory=list)
 
 
 def mount_tmpfs(directory: Path, size_mib: int) -> None:
@@ -221,7 +219,3 @@ def resources(pid: int) -> dict[str, Any]:
             threads += int(next(line for line in status if line.startswith("Threads:")).split()[1])
             files += len(os.listdir(f"/proc/{each}/fd"))
     return {"rss": rss, "threads": threads, "files": files, "time": time.monotonic()}
-
-
-def wipe(directory: Path) -> None:
-    shutil.rmtree(directory, ignore_errors=True)

@@ -22,6 +22,8 @@ TIE_LOGPROB = 1e-3  # a computed answer's two best tokens closer than this: a ti
 STEADY_AFTER_SECONDS = 10.0  # the steady state: from this long after the clients start to the first fault
 RECOVERY_REQUESTS = 40  # hits must be back starting among this many requests after a fault ends
 RECOVERY_WINDOW = 8  # requests in a row that must be served from caches as before the faults
+LOADED = "vllm:kvgroups_loaded_tokens_total"  # the connector's, per server
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's: what it was promised from the store
 GROWTH_FLOOR = {"rss": 32 << 20, "threads": 4, "files": 16}  # growth within these is not a leak
 
 
@@ -64,7 +66,7 @@ class SoakReport:
         steady = [outcome for at, outcome in relative if outcome.ok and STEADY_AFTER_SECONDS <= at < first_fault]
         steady_latency = [outcome.seconds for outcome in steady] or [0.0]
         steady_share = cached_share(steady)
-        rows, json_rows = [], []
+        rows = []
         for index, fault in enumerate(self.faults_run):
             until = self.faults_run[index + 1]["start"] if index + 1 < len(self.faults_run) else float("inf")
             # In flight at any time while the fault held (a request sent just before a kill died in it).
@@ -95,7 +97,6 @@ class SoakReport:
                    "p50 s": percentile(latency, 0.5), "p99 s": percentile(latency, 0.99),
                    "steady p50 s": percentile(steady_latency, 0.5), "steady p99 s": percentile(steady_latency, 0.99),
                    "hits back after s": back, "store hit tokens": stored}
-            json_rows.append(row)
             rows.append(row)
         every_error = [outcome for outcome in outcomes if not outcome.ok and not outcome.server_down]
         late = [outcome for outcome in outcomes if outcome.ok and outcome.seconds > self.timeout]
@@ -117,14 +118,12 @@ class SoakReport:
             last = max((outcome.incarnation for outcome in outcomes if outcome.server == name), default=0)
             seen = sum(outcome.cached_tokens for outcome in outcomes
                        if outcome.server == name and outcome.ok and outcome.incarnation == last)
-            counted = sum(value for key, value in found.items() if key.startswith("vllm:prompt_tokens_cached_total"))
+            counted = counter(found, "vllm:prompt_tokens_cached_total")
             self.cached_seen[name] = (seen, counted)
             if seen != counted:
                 problems.append(f"{name}: its clients saw {seen} prompt tokens served from caches, /metrics counted "
                                 f"{counted:.0f}")
-            loaded = sum(value for key, value in found.items() if key.startswith("vllm:kvgroups_loaded_tokens_total"))
-            external = sum(value for key, value in found.items()
-                           if key.startswith("vllm:external_prefix_cache_hits_total"))
+            loaded, external = counter(found, LOADED), counter(found, EXTERNAL_HITS)
             if not loaded:
                 problems.append(f"{name}: the connector loaded nothing from the store: the run did not test it")
             if loaded > external:
@@ -134,7 +133,7 @@ class SoakReport:
         slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
         print("\nslowest requests: " + ", ".join(f"{outcome.server} at {at:.1f} s took {outcome.seconds:.1f} s"
                                                  for at, outcome in slowest))
-        result = {"faults": json_rows, "requests": len(outcomes), "failed": len(every_error),
+        result = {"faults": rows, "requests": len(outcomes), "failed": len(every_error),
                   "timeline": [{"at": round(at, 3), **{key: value for key, value in vars(outcome).items()
                                                         if key not in ("tokens", "started")}}
                                for at, outcome in relative],
@@ -217,13 +216,17 @@ class SoakReport:
             print(f"\n{name}: last quarter / second quarter: " + ", ".join(
                 f"{kind} {growth[kind]:.3f}x ({growth[kind + ' added']:+.0f})" for kind in GROWTH_FLOOR))
         for name, found in metrics.items():
-            loaded = sum(v for k, v in found.items() if k.startswith("vllm:kvgroups_loaded_tokens_total"))
-            external = sum(v for k, v in found.items() if k.startswith("vllm:external_prefix_cache_hits_total"))
+            loaded, external = counter(found, LOADED), counter(found, EXTERNAL_HITS)
             seen, counted = self.cached_seen.get(name, (0, 0.0))
             print(f"{name}: /metrics: connector loaded {loaded:.0f} tokens; vLLM's external-cache hits {external:.0f}; "
                   f"cached prompt tokens {counted:.0f}, its clients saw {seen}")
         if self.sampler_errors:
             print(f"{len(self.sampler_errors)} samples lost: {self.sampler_errors[0]}")
+
+
+def counter(found: dict[str, float], name: str) -> float:
+    """A counter of a server's /metrics (``found``: its lines, labels and all), summed over its labels."""
+    return sum(value for key, value in found.items() if key.startswith(name))
 
 
 def cached_share(outcomes: list[Outcome]) -> float:
