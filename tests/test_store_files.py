@@ -248,3 +248,29 @@ def test_a_tier_tells_its_eviction_listener_every_key_it_evicts(tier: str, tmp_p
     assert set(heard) | kept == {f"key-{index}" for index in range(12)} and not set(heard) & kept
     if tier == "memory":
         assert heard[0] == "key-0"  # least recently used first (the file tier's recency is a file time)
+
+
+def test_shard_directories_removed_behind_its_back_are_made_again(tmp_path: Path) -> None:
+    """An operator emptying the store (``rm -rf dir/*``) while a server runs: the server's store, which
+    keeps its shard directories open, writes again and sees what another process writes after."""
+    store, other = FileStore(tmp_path / "kv"), FileStore(tmp_path / "kv")
+    keys = [f"key-{index}" for index in range(64)]
+    for key in keys:
+        store.put(key, key.encode())
+    for shard in (tmp_path / "kv").iterdir():
+        if shard.is_dir():
+            for entry in shard.iterdir():
+                entry.unlink()
+            shard.rmdir()
+    assert [store.get(key) for key in keys] == [None] * len(keys)
+    assert not any(store.contains(key) for key in keys)
+    for key in keys[:32]:
+        store.put(key, key.encode())  # ENOENT in a directory that is gone: made again, written
+    for key in keys[32:]:
+        other.put(key, key.encode())  # into directories the first store had open before they went
+    assert [bytes(store.get(key) or b"") for key in keys] == [key.encode() for key in keys]
+    assert all(store.contains(key) and store.size_of(key) == len(key) for key in keys)
+    assert sum(store.delete(key) for key in keys) == len(keys)
+    assert [other.get(key) for key in keys] == [None] * len(keys)
+    store.close()
+    other.close()

@@ -146,6 +146,34 @@ class FileStore(ByteStore):
             os.close(descriptor)
         return kept
 
+    def _attempts(self, shard: str, create: bool) -> Iterator[int]:
+        """The descriptor of directory ``shard``; once more, pointing at the directory made again, when
+        the caller found nothing because the one it had was removed behind the store's back (an
+        operator's ``rm -rf dir/*``: without this, the shard's entries are misses and its writes fail
+        until the process ends)."""
+        directory = self._shard(shard, create)
+        if directory is None:
+            return
+        yield directory
+        if os.fstat(directory).st_nlink != 0:
+            return
+        path = f"{self._root}/{shard}"
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        try:
+            fresh = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            raise StoreError(f"{path} is not a shard directory of this store ({error.strerror}); not followed") \
+                from error
+        # The same number, now the new directory: a thread using it meanwhile sees the old or the new
+        # one, never a file another open got under a number closed here.
+        os.dup2(fresh, directory, inheritable=False)
+        os.close(fresh)
+        yield directory
+
     # --- values ---------------------------------------------------------------------------
     @staticmethod
     def _header(key: str) -> bytes:
@@ -184,39 +212,44 @@ class FileStore(ByteStore):
 
     def _write(self, key: str, header: bytes, value: Value) -> None:
         shard, name = self._names(key)
-        directory = self._shard(shard, create=True)
-        if directory is None:
-            raise StoreError(f"{self._root}/{shard} vanished while writing")
-        temporary = f"{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
-        try:
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600, dir_fd=directory)
+        for directory in self._attempts(shard, create=True):
+            temporary = f"{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
             try:
-                os.fchmod(descriptor, 0o600)  # whatever the umask
-                write_all(descriptor, [header, value])
-            finally:
-                os.close(descriptor)
-            os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary, dir_fd=directory)
-            raise
+                descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600,
+                                     dir_fd=directory)
+                try:
+                    os.fchmod(descriptor, 0o600)  # whatever the umask
+                    write_all(descriptor, [header, value])
+                finally:
+                    os.close(descriptor)
+                os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+                return
+            except FileNotFoundError:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=directory)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=directory)
+                raise
+        raise StoreError(f"{self._root}/{shard} vanished while writing")
 
     def _read(self, key: str, limit: int | None, into: memoryview | None = None) -> Stored | None:
         shard, name = self._names(key)
         header = self._header(key)
-        directory = self._shard(shard, create=False)
-        if directory is None:
-            return None
-        try:
-            descriptor = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=directory)
-        except FileNotFoundError:
-            return None
-        except OSError as error:
-            if error.errno != errno.ELOOP:
-                raise StoreError(f"cannot open {self._path(key)}: {error}") from error
-            logger.warning("file store %s: an entry is a symlink; removing it, not following it", self.directory)
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=directory)
+        for directory in self._attempts(shard, create=False):
+            try:
+                descriptor = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=directory)
+                break
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    raise StoreError(f"cannot open {self._path(key)}: {error}") from error
+                logger.warning("file store %s: an entry is a symlink; removing it, not following it", self.directory)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=directory)
+                return None
+        else:
             return None
         try:
             size = os.fstat(descriptor).st_size - len(header)
@@ -248,41 +281,38 @@ class FileStore(ByteStore):
 
     def contains(self, key: str) -> bool:
         shard, name = self._names(key)
-        directory = self._shard(shard, create=False)
-        if directory is None:
-            return False
-        try:
-            return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
-        except FileNotFoundError:
-            return False
-        except OSError as error:
-            raise StoreError(f"cannot look up {self._path(key)}: {error}") from error
+        for directory in self._attempts(shard, create=False):
+            try:
+                return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                raise StoreError(f"cannot look up {self._path(key)}: {error}") from error
+        return False
 
     def delete(self, key: str) -> bool:
         shard, name = self._names(key)
-        directory = self._shard(shard, create=False)
-        if directory is None:
-            return False
-        try:
-            size = os.stat(name, dir_fd=directory, follow_symlinks=False).st_size
-            os.unlink(name, dir_fd=directory)
-        except FileNotFoundError:
-            return False
-        except OSError as error:
-            raise StoreError(f"cannot delete {self._path(key)}: {error}") from error
-        with self._lock:
-            self._total -= size
-        return True
+        for directory in self._attempts(shard, create=False):
+            try:
+                size = os.stat(name, dir_fd=directory, follow_symlinks=False).st_size
+                os.unlink(name, dir_fd=directory)
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                raise StoreError(f"cannot delete {self._path(key)}: {error}") from error
+            with self._lock:
+                self._total -= size
+            return True
+        return False
 
     def size_of(self, key: str) -> int | None:
         shard, name = self._names(key)
-        directory = self._shard(shard, create=False)
-        if directory is None:
-            return None
-        try:
-            return os.stat(name, dir_fd=directory, follow_symlinks=False).st_size - len(self._header(key))
-        except FileNotFoundError:
-            return None
+        for directory in self._attempts(shard, create=False):
+            try:
+                return os.stat(name, dir_fd=directory, follow_symlinks=False).st_size - len(self._header(key))
+            except FileNotFoundError:
+                continue
+        return None
 
     def iter_keys(self) -> Iterator[str]:
         for entry in entry_files(self._root, _SUFFIX):
