@@ -20,9 +20,10 @@ within ``TIE_LOGPROB`` of each other is a tie of floating point, counted apart, 
 real difference); the share of prompt tokens served from caches back to its level before the
 fault (``RECOVERY_WINDOW`` requests in a row, within ``RECOVERY_REQUESTS`` after it ends); each
 server's resident memory, threads and open files flat (the last quarter's median within 5% of the
-second quarter's, over the longest run of a server killed and started again); the stores within
-their budgets; the connector's loaded tokens on ``/metrics`` no more than the tokens vLLM reports
-served from its external cache. A broken invariant fails the run (exit 1).
+second quarter's, over the longest run of a server killed and started again; the file store's
+shard directories, which it keeps open as it first touches each, counted apart and at most 256 per
+process); the stores within their budgets; the connector's loaded tokens on ``/metrics`` no more
+than the tokens vLLM reports served from its external cache. A broken invariant fails the run (exit 1).
 
 Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
 minutes, every fault three times); ``--quick`` runs every fault once in about 6 minutes (what
@@ -270,7 +271,7 @@ class Soak:
     def _sample(self, servers: dict[str, Server], cluster: Any, tiers: dict[str, Path]) -> None:
         for name, server in servers.items():
             if server.up.is_set() and server.process is not None:
-                sample = resources(server.process.pid)
+                sample = resources(server.process.pid, tiers[name] / "kv")
                 sample.update(incarnation=server.incarnation, tier_bytes=directory_bytes(tiers[name] / "kv"))
                 with contextlib.suppress(OSError, ValueError):
                     found = server.metrics()

@@ -209,13 +209,45 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def resources(pid: int) -> dict[str, Any]:
-    """Resident memory (bytes), threads and open files of a process and its children, summed."""
-    rss = threads = files = 0
+def file_kind(target: str, shard_root: str) -> str:
+    """What an open file descriptor is, from its ``/proc/PID/fd`` link: ``shard directory`` (one of
+    the file store's 256 fan-out directories under ``shard_root``, which it keeps open), ``socket``,
+    ``pipe``, ``anon`` (eventfd, epoll, ...), ``shm`` (shared memory), ``dev``, or ``file``."""
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":", 1)[0]
+    if target.startswith("anon_inode:"):
+        return "anon"
+    if target.startswith(("/dev/shm/", "/memfd:")):
+        return "shm"
+    folder, _, name = target.rpartition("/")
+    if folder == shard_root and len(name) == 2:
+        return "shard directory"
+    return "dev" if target.startswith("/dev/") else "file"
+
+
+def resources(pid: int, shard_root: Path) -> dict[str, Any]:
+    """Resident memory (bytes), threads and open files of a process and its children, summed; the
+    open files also by :func:`file_kind`, so that a run whose files grow says which grew. The file
+    store's shard directories are counted apart (``shard_directories``, and the most one process
+    holds): a cache that fills as a store first touches each one, bounded, not a leak."""
+    rss = threads = files = shards = most_shards = 0
+    root = os.path.realpath(shard_root)
+    kinds: dict[str, int] = {}
     for each in process_tree(pid):
         with contextlib.suppress(OSError, ValueError, StopIteration):
             status = Path(f"/proc/{each}/status").read_text().splitlines()
             rss += int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) * 1024
             threads += int(next(line for line in status if line.startswith("Threads:")).split()[1])
-            files += len(os.listdir(f"/proc/{each}/fd"))
-    return {"rss": rss, "threads": threads, "files": files, "time": time.monotonic()}
+            held = 0
+            for fd in os.listdir(f"/proc/{each}/fd"):
+                with contextlib.suppress(OSError):
+                    kind = file_kind(os.readlink(f"/proc/{each}/fd/{fd}"), root)
+                    if kind == "shard directory":
+                        held += 1
+                        continue
+                    kinds[kind] = kinds.get(kind, 0) + 1
+                    files += 1
+            shards += held
+            most_shards = max(most_shards, held)
+    return {"rss": rss, "threads": threads, "files": files, "file_kinds": kinds, "shard_directories": shards,
+            "most_shard_directories": most_shards, "time": time.monotonic()}

@@ -25,6 +25,9 @@ RECOVERY_WINDOW = 8  # requests in a row that must be served from caches as befo
 LOADED = "vllm:kvgroups_loaded_tokens_total"  # the connector's, per server
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's: what it was promised from the store
 GROWTH_FLOOR = {"rss": 32 << 20, "threads": 4, "files": 16}  # growth within these is not a leak
+# The file store keeps each of its fan-out directories open once it has touched it: a cache that fills
+# (over minutes in the quick run), counted apart from the files that must stay flat, and bounded.
+SHARD_DIRECTORIES = 256
 
 
 @dataclass
@@ -44,6 +47,18 @@ class Outcome:
     server_down: bool = False  # the server was killed while it ran, or was down when it was sent
     incarnation: int = 0  # which start of its server answered
     reference_cached_tokens: int = 0  # the computed answer's: must be 0 (a fresh cache salt, the store off)
+
+
+def kinds_grown(second: list[dict[str, Any]], fourth: list[dict[str, Any]]) -> str:
+    """Which kinds of open files grew between two quarters' samples (medians), e.g. ``: socket +250``."""
+    names = sorted({kind for sample in second + fourth for kind in sample.get("file_kinds", {})})
+    grown = []
+    for kind in names:
+        added = (statistics.median(sample.get("file_kinds", {}).get(kind, 0) for sample in fourth)
+                 - statistics.median(sample.get("file_kinds", {}).get(kind, 0) for sample in second))
+        if added:
+            grown.append(f"{kind} {added:+.0f}")
+    return ": " + ", ".join(grown) if grown else ""
 
 
 class SoakReport:
@@ -187,8 +202,11 @@ class SoakReport:
                 found[name][f"{kind} added"] = after - before
                 if growth > 1.05 and after - before > floor:
                     problems.append(f"{name}: {kind} grew {growth:.3f}x ({after - before:+.0f}) from the second "
-                                    f"quarter to the last")
+                                    f"quarter to the last" + (kinds_grown(second, fourth) if kind == "files" else ""))
         return found
+
+    def _most_shards(self, name: str) -> int:
+        return max((sample.get("most_shard_directories", 0) for sample in self.samples.get(name, [])), default=0)
 
     def _budgets(self, problems: list[str]) -> None:
         for name, samples in self.samples.items():
@@ -197,6 +215,10 @@ class SoakReport:
                 if worst > self.cluster_maxmemory * 1.1:
                     problems.append(f"a cluster master held {worst} bytes, over its maxmemory {self.cluster_maxmemory}")
                 continue
+            most = self._most_shards(name)
+            if most > SHARD_DIRECTORIES:
+                problems.append(f"a process of {name} held {most} of its file tier's shard directories open; the "
+                                f"store has {SHARD_DIRECTORIES}")
             worst = max((sample["tier_bytes"] for sample in samples), default=0)
             if worst > self.tier_budget_bytes * 1.05:
                 problems.append(f"{name}'s file tier held {worst} bytes, over its budget of {self.tier_budget_bytes}")
@@ -214,7 +236,8 @@ class SoakReport:
                                     else str(value) for value in row.values()) + " |")
         for name, growth in flat.items():
             print(f"\n{name}: last quarter / second quarter: " + ", ".join(
-                f"{kind} {growth[kind]:.3f}x ({growth[kind + ' added']:+.0f})" for kind in GROWTH_FLOOR))
+                f"{kind} {growth[kind]:.3f}x ({growth[kind + ' added']:+.0f})" for kind in GROWTH_FLOOR)
+                + f"; shard directories open at most {self._most_shards(name)} in a process")
         for name, found in metrics.items():
             loaded, external = counter(found, LOADED), counter(found, EXTERNAL_HITS)
             seen, counted = self.cached_seen.get(name, (0, 0.0))

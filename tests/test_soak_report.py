@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.soak_faults import file_kind, resources
 from benchmarks.soak_report import Outcome, SoakReport
+
+from kvgroups.store import FileStore
 
 LOADED = {"vllm:kvgroups_loaded_tokens_total{}": 640.0, "vllm:external_prefix_cache_hits_total{}": 640.0}
 FAULT = {"fault": "master killed", "what": "a master killed", "start": 30.0, "end": 40.0}
@@ -79,6 +83,38 @@ def test_a_few_more_files_are_not_a_leak(tmp_path: Path) -> None:
         sample["files"] = 35  # 20 before: 1.75x, but 15 more
     result = write(tmp_path, outcomes, samples)
     assert result["problems"] == [] and result["flat"]["llama"]["files"] == 1.75
+
+
+def test_shard_directories_opened_as_the_store_fills_are_not_a_leak_but_more_than_it_has_are(tmp_path: Path) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    for index, sample in enumerate(samples["llama"]):
+        sample.update(shard_directories=12 * index, most_shard_directories=min(256, 12 * index))
+    assert write(tmp_path, outcomes, samples)["problems"] == []
+    samples["llama"][-1]["most_shard_directories"] = 257
+    assert write(tmp_path, outcomes, samples)["problems"] == [
+        "a process of llama held 257 of its file tier's shard directories open; the store has 256"]
+
+
+def test_files_that_grow_say_which_kind_grew(tmp_path: Path) -> None:
+    outcomes, samples = steady_run(tmp_path)
+    for index, sample in enumerate(samples["llama"]):
+        sample.update(files=20 + 40 * (index >= 15), file_kinds={"pipe": 10, "socket": 10 + 40 * (index >= 15)})
+    assert write(tmp_path, outcomes, samples)["problems"] == [
+        "llama: files grew 3.000x (+40) from the second quarter to the last: socket +40"]
+
+
+def test_resources_count_a_stores_shard_directories_apart(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "kv")
+    for index in range(40):
+        store.put(f"key-{index}", b"value")
+    shards = len([entry for entry in (tmp_path / "kv").iterdir() if entry.is_dir()])
+    held = resources(os.getpid(), tmp_path / "kv")
+    store.close()
+    after = resources(os.getpid(), tmp_path / "kv")
+    assert 16 < shards <= 40 and held["shard_directories"] == held["most_shard_directories"] == shards
+    assert after["shard_directories"] == 0 and after["files"] == held["files"]
+    assert file_kind("socket:[123]", "/x") == "socket" and file_kind("/x/ab", "/x") == "shard directory"
+    assert file_kind("/x/ab/cd.kve", "/x") == "file" and file_kind("anon_inode:[eventfd]", "/x") == "anon"
 
 
 def test_a_run_whose_store_served_nothing_fails(tmp_path: Path) -> None:
