@@ -148,7 +148,7 @@ class SoakReport:
         slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
         print("\nslowest requests: " + ", ".join(f"{outcome.server} at {at:.1f} s took {outcome.seconds:.1f} s"
                                                  for at, outcome in slowest))
-        result = {"faults": rows, "requests": len(outcomes), "failed": len(every_error),
+        result = {"faults": rows, "by fault": by_fault(rows), "requests": len(outcomes), "failed": len(every_error),
                   "timeline": [{"at": round(at, 3), **{key: value for key, value in vars(outcome).items()
                                                         if key not in ("tokens", "started")}}
                                for at, outcome in relative],
@@ -228,12 +228,10 @@ class SoakReport:
         print(f"\n{self.arguments.minutes:g} minutes, {2 * self.arguments.clients} clients on 2 servers; "
               f"{len(outcomes)} requests (each asked twice: served, and computed from nothing); before the first "
               f"fault {steady_share:.2f} of prompt tokens came from caches\n")
-        columns = list(rows[0]) if rows else []
-        print("| " + " | ".join(columns) + " |")
-        print("|" + "---|" * len(columns))
-        for row in rows:
-            print("| " + " | ".join("-" if value is None else f"{value:.2f}" if isinstance(value, float)
-                                    else str(value) for value in row.values()) + " |")
+        print_table(rows)
+        if len(by_fault(rows)) < len(rows):
+            print("\nper kind of fault:\n")
+            print_table(by_fault(rows))
         for name, growth in flat.items():
             print(f"\n{name}: last quarter / second quarter: " + ", ".join(
                 f"{kind} {growth[kind]:.3f}x ({growth[kind + ' added']:+.0f})" for kind in GROWTH_FLOOR)
@@ -245,6 +243,36 @@ class SoakReport:
                   f"cached prompt tokens {counted:.0f}, its clients saw {seen}")
         if self.sampler_errors:
             print(f"{len(self.sampler_errors)} samples lost: {self.sampler_errors[0]}")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """``rows`` as a Markdown table, their keys the columns."""
+    columns = list(rows[0]) if rows else []
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join("-" if value is None else f"{value:.2f}" if isinstance(value, float)
+                                else str(value) for value in row.values()) + " |")
+
+
+def by_fault(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-fault rows of a run, one per kind of fault: how often it ran, the requests, errors and
+    answers that differ summed, the worst latencies and the slowest return of hits (None: never, in
+    a repetition with enough requests after it to tell), the tokens loaded from the store summed."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        kinds.setdefault(row["fault"], []).append(row)
+    summary = []
+    for name, each in kinds.items():
+        backs = [row["hits back after s"] for row in each]
+        summary.append({
+            "fault": name, "times": len(each),
+            **{column: sum(row[column] for row in each) for column in ("requests", "errors", "killed server's",
+                                                                        "differ", "ties")},
+            "worst p50 s": max(row["p50 s"] for row in each), "worst p99 s": max(row["p99 s"] for row in each),
+            "worst hits back after s": None if None in backs else max(backs),
+            "store hit tokens": sum(row["store hit tokens"] for row in each)})
+    return summary
 
 
 def counter(found: dict[str, float], name: str) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from benchmarks.soak_faults import file_kind, resources
-from benchmarks.soak_report import Outcome, SoakReport
+from benchmarks.soak_report import Outcome, SoakReport, by_fault
 
 from kvgroups.store import FileStore
 
@@ -138,3 +138,17 @@ def test_a_killed_servers_requests_are_counted_apart(tmp_path: Path) -> None:
     outcomes.append(Outcome("llama", 29.95, 0.1, ok=False, error="Remote end closed", server_down=True))
     result = write(tmp_path, outcomes, samples)
     assert result["problems"] == [] and result["faults"][0]["killed server's"] == 1 and result["failed"] == 0
+
+
+def test_repeated_faults_are_summed_per_kind_and_a_repetition_whose_hits_never_came_back_shows() -> None:
+    def row(fault: str, requests: int, p99: float, back: float | None) -> dict[str, Any]:
+        return {"fault": fault, "requests": requests, "errors": 0, "killed server's": 1, "differ": 0, "ties": 2,
+                "p50 s": p99 / 4, "p99 s": p99, "hits back after s": back, "store hit tokens": 10}
+    rows = [row("master killed", 10, 1.0, 2.0), row("node stopped", 5, 2.0, 1.0), row("master killed", 7, 3.0, 0.5),
+            row("node stopped", 6, 1.0, None)]
+    assert by_fault(rows) == [
+        {"fault": "master killed", "times": 2, "requests": 17, "errors": 0, "killed server's": 2, "differ": 0,
+         "ties": 4, "worst p50 s": 0.75, "worst p99 s": 3.0, "worst hits back after s": 2.0, "store hit tokens": 20},
+        {"fault": "node stopped", "times": 2, "requests": 11, "errors": 0, "killed server's": 2, "differ": 0,
+         "ties": 4, "worst p50 s": 0.5, "worst p99 s": 2.0, "worst hits back after s": None,
+         "store hit tokens": 20}]
