@@ -22,7 +22,7 @@ fault (``RECOVERY_WINDOW`` requests in a row, within ``RECOVERY_REQUESTS`` after
 server's resident memory, threads and open files flat (the last quarter's median within 5% of the
 second quarter's, over the longest run of a server killed and started again; the file store's
 shard directories, which it keeps open as it first touches each, counted apart and at most 256 per
-process); the stores within their budgets; the connector's loaded tokens on ``/metrics`` no more
+process, a scan's one more); the stores within their budgets; the connector's loaded tokens on ``/metrics`` no more
 than the tokens vLLM reports served from its external cache. A broken invariant fails the run (exit 1).
 
 Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
@@ -255,6 +255,7 @@ class Soak:
         self.faults_run: list[dict[str, Any]] = []
         self.sampler_errors: list[str] = []
         self.start = time.monotonic()
+        self.interrupted_at: float | None = None  # seconds into the run a Ctrl-C stopped it
 
     def record(self, outcome: Outcome) -> None:
         with self.lock:
@@ -354,14 +355,21 @@ class Soak:
                 self._sleep_until(start)
                 injected = time.monotonic() - self.start
                 print(f"[{injected:7.1f} s] {fault.name}: {fault.what}", flush=True)
-                fault.inject()
-                self._sleep_until(end)
-                fault.undo()
-                undone = time.monotonic() - self.start
-                self.faults_run.append({"fault": fault.name, "what": fault.what, "start": injected, "end": undone})
+                try:
+                    fault.inject()
+                    self._sleep_until(end)
+                    fault.undo()
+                finally:  # an interrupted fault (Ctrl-C) is reported up to then, undone by the cleanup below
+                    undone = time.monotonic() - self.start
+                    self.faults_run.append({"fault": fault.name, "what": fault.what, "start": injected,
+                                            "end": undone})
                 print(f"[{undone:7.1f} s] {fault.name}: undone", flush=True)
             # The last fault's recovery is measured too, however long its undoing took (a server's start-up).
             self._sleep_until(max(arguments.minutes * 60, time.monotonic() - self.start + TAIL_SECONDS))
+        except KeyboardInterrupt:
+            # An hour's run stopped early still says what it saw, and fails: it is not the run asked for.
+            self.interrupted_at = time.monotonic() - self.start
+            print(f"[{self.interrupted_at:7.1f} s] interrupted: reporting what ran", file=sys.stderr, flush=True)
         finally:
             faults.cleanup()
             self.stopping.set()
@@ -377,7 +385,7 @@ class Soak:
     def report(self, metrics: dict[str, dict[str, float]]) -> int:
         return SoakReport(self.outcomes, self.samples, self.faults_run, self.start, self.arguments,
                           self.sampler_errors, tier_budget_bytes=TIER_BUDGET_MIB << 20,
-                          cluster_maxmemory=CLUSTER_MAXMEMORY).write(metrics)
+                          cluster_maxmemory=CLUSTER_MAXMEMORY, interrupted_at=self.interrupted_at).write(metrics)
 
 
 def main() -> None:

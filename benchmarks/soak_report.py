@@ -26,8 +26,11 @@ LOADED = "vllm:kvgroups_loaded_tokens_total"  # the connector's, per server
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's: what it was promised from the store
 GROWTH_FLOOR = {"rss": 32 << 20, "threads": 4, "files": 16}  # growth within these is not a leak
 # The file store keeps each of its fan-out directories open once it has touched it: a cache that fills
-# (over minutes in the quick run), counted apart from the files that must stay flat, and bounded.
+# (over minutes in the quick run), counted apart from the files that must stay flat, and bounded. A scan
+# of the store (its budget, its stats) lists one directory at a time through a descriptor of its own:
+# the hour's run saw 257 in a process. A leak passes any bound in time; a scan or two more is none.
 SHARD_DIRECTORIES = 256
+SCANS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -66,15 +69,20 @@ class SoakReport:
 
     def __init__(self, outcomes: list[Outcome], samples: dict[str, list[dict[str, Any]]],
                  faults_run: list[dict[str, Any]], start: float, arguments: argparse.Namespace,
-                 sampler_errors: list[str], *, tier_budget_bytes: int, cluster_maxmemory: int) -> None:
+                 sampler_errors: list[str], *, tier_budget_bytes: int, cluster_maxmemory: int,
+                 interrupted_at: float | None = None) -> None:
         self.outcomes, self.samples, self.faults_run, self.start = outcomes, samples, faults_run, start
         self.arguments, self.timeout, self.sampler_errors = arguments, arguments.timeout, sampler_errors
         self.tier_budget_bytes, self.cluster_maxmemory = tier_budget_bytes, cluster_maxmemory
         self.cached_seen: dict[str, tuple[int, float]] = {}  # server: (clients' cached tokens, /metrics')
+        self.interrupted_at = interrupted_at
 
     def write(self, metrics: dict[str, dict[str, float]]) -> int:
         """Print the tables, write the JSON, and return the exit status: 1 if an invariant broke."""
         problems: list[str] = []
+        if self.interrupted_at is not None:
+            problems.append(f"interrupted at {self.interrupted_at:.0f} s of {self.arguments.minutes * 60:.0f}: the "
+                            f"run is incomplete")
         outcomes = sorted(self.outcomes, key=lambda outcome: outcome.started)
         relative = [(outcome.started - self.start, outcome) for outcome in outcomes]
         first_fault = self.faults_run[0]["start"] if self.faults_run else float("inf")
@@ -216,9 +224,9 @@ class SoakReport:
                     problems.append(f"a cluster master held {worst} bytes, over its maxmemory {self.cluster_maxmemory}")
                 continue
             most = self._most_shards(name)
-            if most > SHARD_DIRECTORIES:
-                problems.append(f"a process of {name} held {most} of its file tier's shard directories open; the "
-                                f"store has {SHARD_DIRECTORIES}")
+            if most > SHARD_DIRECTORIES + SCANS_IN_FLIGHT:
+                problems.append(f"a process of {name} held {most} descriptors of its file tier's shard directories; "
+                                f"the store keeps at most {SHARD_DIRECTORIES}, and a scan lists one more")
             worst = max((sample["tier_bytes"] for sample in samples), default=0)
             if worst > self.tier_budget_bytes * 1.05:
                 problems.append(f"{name}'s file tier held {worst} bytes, over its budget of {self.tier_budget_bytes}")

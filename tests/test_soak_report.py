@@ -30,13 +30,13 @@ def steady_run(tmp_path: Path) -> tuple[list[Outcome], dict[str, list[dict[str, 
 
 
 def write(tmp_path: Path, outcomes: list[Outcome], samples: dict[str, list[dict[str, Any]]],
-          metrics: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+          metrics: dict[str, dict[str, float]] | None = None, interrupted_at: float | None = None) -> dict[str, Any]:
     arguments = argparse.Namespace(timeout=120.0, minutes=80 / 60, clients=1, json=str(tmp_path / "soak.json"))
     cached = sum(outcome.cached_tokens for outcome in outcomes if outcome.ok)
     metrics = metrics if metrics is not None else {"llama": {"vllm:prompt_tokens_cached_total{}": float(cached),
                                                              **LOADED}}
     status = SoakReport(outcomes, samples, [dict(FAULT)], 0.0, arguments, [], tier_budget_bytes=1000,
-                        cluster_maxmemory=100).write(metrics)
+                        cluster_maxmemory=100, interrupted_at=interrupted_at).write(metrics)
     result = json.loads((tmp_path / "soak.json").read_text())
     assert status == (1 if result["problems"] else 0)
     return dict(result)
@@ -90,9 +90,12 @@ def test_shard_directories_opened_as_the_store_fills_are_not_a_leak_but_more_tha
     for index, sample in enumerate(samples["llama"]):
         sample.update(shard_directories=12 * index, most_shard_directories=min(256, 12 * index))
     assert write(tmp_path, outcomes, samples)["problems"] == []
-    samples["llama"][-1]["most_shard_directories"] = 257
+    samples["llama"][-1]["most_shard_directories"] = 257  # all kept, and the one a scan has open
+    assert write(tmp_path, outcomes, samples)["problems"] == []
+    samples["llama"][-1]["most_shard_directories"] = 259
     assert write(tmp_path, outcomes, samples)["problems"] == [
-        "a process of llama held 257 of its file tier's shard directories open; the store has 256"]
+        "a process of llama held 259 descriptors of its file tier's shard directories; the store keeps at most 256, "
+        "and a scan lists one more"]
 
 
 def test_files_that_grow_say_which_kind_grew(tmp_path: Path) -> None:
@@ -152,3 +155,9 @@ def test_repeated_faults_are_summed_per_kind_and_a_repetition_whose_hits_never_c
         {"fault": "node stopped", "times": 2, "requests": 11, "errors": 0, "killed server's": 2, "differ": 0,
          "ties": 4, "worst p50 s": 0.5, "worst p99 s": 2.0, "worst hits back after s": None,
          "store hit tokens": 20}]
+
+
+def test_an_interrupted_run_reports_what_ran_and_fails(tmp_path: Path) -> None:
+    result = write(tmp_path, *steady_run(tmp_path), interrupted_at=61.5)
+    assert result["problems"] == ["interrupted at 62 s of 80: the run is incomplete"]
+    assert result["faults"][0]["requests"] == 10 and result["requests"] == 80
