@@ -124,22 +124,28 @@ class FileStore(ByteStore):
     def _path(self, key: str) -> str:
         return "/".join((self._root, *self._names(key)))
 
-    def _shard(self, shard: str, create: bool) -> int | None:
-        """A descriptor of shard directory ``shard`` (never through a symlink); None when absent."""
-        descriptor = self._shard_fds.get(shard)
-        if descriptor is not None:
-            return descriptor
+    def _open_shard(self, shard: str, create: bool) -> int | None:
+        """A new descriptor of shard directory ``shard`` (never through a symlink); None when absent."""
         path = f"{self._root}/{shard}"
         if create:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
         try:
-            descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
+            return os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as error:  # ELOOP, ENOTDIR: a symlink or a file where a shard should be
             raise StoreError(f"{path} is not a shard directory of this store ({error.strerror}); not followed") \
                 from error
+
+    def _shard(self, shard: str, create: bool) -> int | None:
+        """The kept descriptor of shard directory ``shard``; None when absent."""
+        descriptor = self._shard_fds.get(shard)
+        if descriptor is not None:
+            return descriptor
+        descriptor = self._open_shard(shard, create)
+        if descriptor is None:
+            return None
         with self._lock:
             kept = self._shard_fds.setdefault(shard, descriptor)
         if kept != descriptor:
@@ -157,17 +163,9 @@ class FileStore(ByteStore):
         yield directory
         if os.fstat(directory).st_nlink != 0:
             return
-        path = f"{self._root}/{shard}"
-        if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)
-        try:
-            fresh = os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
-        except FileNotFoundError:
+        fresh = self._open_shard(shard, create)
+        if fresh is None:
             return
-        except OSError as error:
-            raise StoreError(f"{path} is not a shard directory of this store ({error.strerror}); not followed") \
-                from error
         # The same number, now the new directory: a thread using it meanwhile sees the old or the new
         # one, never a file another open got under a number closed here.
         os.dup2(fresh, directory, inheritable=False)
