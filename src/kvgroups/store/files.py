@@ -48,6 +48,7 @@ from kvgroups.store.file_io import (
     stored_key,
     write_all,
 )
+from kvgroups.store.shard_directories import ShardDirectories
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class FileStore(ByteStore):
         self.directory = Path(directory)
         self._root = str(self.directory)
         self._lock = threading.Lock()
-        self._shard_fds: dict[str, int] = {}
+        self._shards = ShardDirectories(self._root)
         self._claim_directory(create)
         remove_stale_temporaries(self._root, _TEMPORARY, _STALE_SECONDS)
         held = self._scan()[1]
@@ -124,54 +125,6 @@ class FileStore(ByteStore):
     def _path(self, key: str) -> str:
         return "/".join((self._root, *self._names(key)))
 
-    def _open_shard(self, shard: str, create: bool) -> int | None:
-        """A new descriptor of shard directory ``shard`` (never through a symlink); None when absent."""
-        path = f"{self._root}/{shard}"
-        if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
-        except FileNotFoundError:
-            return None
-        except OSError as error:  # ELOOP, ENOTDIR: a symlink or a file where a shard should be
-            raise StoreError(f"{path} is not a shard directory of this store ({error.strerror}); not followed") \
-                from error
-
-    def _shard(self, shard: str, create: bool) -> int | None:
-        """The kept descriptor of shard directory ``shard``; None when absent."""
-        descriptor = self._shard_fds.get(shard)
-        if descriptor is not None:
-            return descriptor
-        descriptor = self._open_shard(shard, create)
-        if descriptor is None:
-            return None
-        with self._lock:
-            kept = self._shard_fds.setdefault(shard, descriptor)
-        if kept != descriptor:
-            os.close(descriptor)
-        return kept
-
-    def _attempts(self, shard: str, create: bool) -> Iterator[int]:
-        """The descriptor of directory ``shard``; once more, pointing at the directory made again, when
-        the caller found nothing because the one it had was removed behind the store's back (an
-        operator's ``rm -rf dir/*``: without this, the shard's entries are misses and its writes fail
-        until the process ends)."""
-        directory = self._shard(shard, create)
-        if directory is None:
-            return
-        yield directory
-        if os.fstat(directory).st_nlink != 0:
-            return
-        fresh = self._open_shard(shard, create)
-        if fresh is None:
-            return
-        # The same number, now the new directory: a thread using it meanwhile sees the old or the new
-        # one, never a file another open got under a number closed here.
-        os.dup2(fresh, directory, inheritable=False)
-        os.close(fresh)
-        yield directory
-
     # --- values ---------------------------------------------------------------------------
     @staticmethod
     def _header(key: str) -> bytes:
@@ -210,7 +163,7 @@ class FileStore(ByteStore):
 
     def _write(self, key: str, header: bytes, value: Value) -> None:
         shard, name = self._names(key)
-        for directory in self._attempts(shard, create=True):
+        for directory in self._shards.attempts(shard, create=True):
             temporary = f"{_TEMPORARY}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
             try:
                 descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600,
@@ -234,7 +187,7 @@ class FileStore(ByteStore):
     def _read(self, key: str, limit: int | None, into: memoryview | None = None) -> Stored | None:
         shard, name = self._names(key)
         header = self._header(key)
-        for directory in self._attempts(shard, create=False):
+        for directory in self._shards.attempts(shard, create=False):
             try:
                 descriptor = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=directory)
                 break
@@ -279,7 +232,7 @@ class FileStore(ByteStore):
 
     def contains(self, key: str) -> bool:
         shard, name = self._names(key)
-        for directory in self._attempts(shard, create=False):
+        for directory in self._shards.attempts(shard, create=False):
             try:
                 return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
             except FileNotFoundError:
@@ -290,7 +243,7 @@ class FileStore(ByteStore):
 
     def delete(self, key: str) -> bool:
         shard, name = self._names(key)
-        for directory in self._attempts(shard, create=False):
+        for directory in self._shards.attempts(shard, create=False):
             try:
                 size = os.stat(name, dir_fd=directory, follow_symlinks=False).st_size
                 os.unlink(name, dir_fd=directory)
@@ -305,7 +258,7 @@ class FileStore(ByteStore):
 
     def size_of(self, key: str) -> int | None:
         shard, name = self._names(key)
-        for directory in self._attempts(shard, create=False):
+        for directory in self._shards.attempts(shard, create=False):
             try:
                 return os.stat(name, dir_fd=directory, follow_symlinks=False).st_size - len(self._header(key))
             except FileNotFoundError:
@@ -364,8 +317,4 @@ class FileStore(ByteStore):
         return count
 
     def close(self) -> None:
-        with self._lock:
-            descriptors, self._shard_fds = list(self._shard_fds.values()), {}
-        for descriptor in descriptors:
-            with contextlib.suppress(OSError):
-                os.close(descriptor)
+        self._shards.close()
