@@ -20,26 +20,15 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.servers import Cluster, Server, running_cluster
+from tests.servers import Server, running_cluster
 from tests.test_chunk_store import build_metadata
 from tests.test_store_cluster import KINDS, failover_seconds, prompts, save_all
 
 from kvgroups.store import KVChunkStore
-
-
-def in_sync(cluster: Cluster, port: int, timeout: float = 120.0) -> None:
-    """Until ``port``'s replica holds everything it wrote. A node started again rejoins as a replica at once
-    but copies its master's data only after the servers' diskless-sync delay (5 s): a master killed before
-    then hands its slots to a replica with nothing, and those prompts never hit again."""
-    deadline = time.monotonic() + timeout
-    while cluster.ask(port, "wait", "1", "5000").strip() != "1":
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the replica of {port} did not catch up within {timeout:.0f} s")
 
 
 def repeat(directory: Path, coverage: str, node_timeout_ms: int, repetitions: int) -> list[tuple[float, float]]:
@@ -53,7 +42,7 @@ def repeat(directory: Path, coverage: str, node_timeout_ms: int, repetitions: in
         for repetition in range(repetitions):
             masters = cluster.masters()
             for port in masters:
-                in_sync(cluster, port)
+                cluster.in_sync(port)
             victim = cluster.ports[0] if cluster.ports[0] in masters else masters[0]
             ok_after, hits_after = failover_seconds(cluster, store, every, victim)
             results.append((ok_after, hits_after))

@@ -184,6 +184,16 @@ class Cluster:
         return subprocess.run([self.cli(), "-p", str(port), *command], capture_output=True, text=True,
                               timeout=10, check=False).stdout
 
+    def in_sync(self, port: int, timeout: float = 120.0) -> None:
+        """Until master ``port``'s replica holds everything it wrote (``WAIT 1`` answers 1). A replica
+        that has just joined (a fresh cluster, a node started again) copies its master only after the
+        servers' diskless-sync delay (5 s): ``WAIT`` meanwhile answers 0, and a master killed before
+        then hands its slots to a replica holding nothing."""
+        deadline = time.monotonic() + timeout
+        while self.ask(port, "wait", "1", "5000").strip() != "1":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replica of {port} did not catch up within {timeout:.0f} s")
+
     def masters(self) -> list[int]:
         """Ports of the masters that are up, as a live node sees the cluster."""
         alive = next(port for port, node in self.nodes.items() if node.process.poll() is None)

@@ -69,7 +69,7 @@ def test_a_master_that_dies_costs_misses_then_hits_again_after_failover(tmp_path
         assert [store.lookup(tokens) for tokens in every] == [40] * 12
         assert all(count > 0 for count in store.store.stats_by_master().values())  # spread over every master
         for port in cluster.masters():  # replicated before the kill (replication is asynchronous)
-            assert cluster.ask(port, "wait", "1", "5000").strip() == "1"
+            cluster.in_sync(port)
         victim = cluster.masters()[0]
         cluster.kill(victim)
         served = [store.lookup(tokens) for tokens in every]  # never an exception: misses of its slots
@@ -204,7 +204,7 @@ def test_hits_come_back_within_2_s_of_the_cluster_saying_it_is_whole_again(tmp_p
         every = prompts(12)
         save_all(store, every)
         for port in cluster.masters():
-            assert cluster.ask(port, "wait", "1", "5000").strip() == "1"
+            cluster.in_sync(port)
         # The first master the URL names: the store's own entry point into the cluster goes with it.
         ok_after, hits_after = failover_seconds(cluster, store, every, cluster.ports[0] if cluster.ports[0] in
                                                 cluster.masters() else cluster.masters()[0])
