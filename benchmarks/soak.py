@@ -21,9 +21,10 @@ real difference); the share of prompt tokens served from caches back to its leve
 fault (``RECOVERY_WINDOW`` requests in a row, within ``RECOVERY_REQUESTS`` after it ends); each
 server's resident memory, threads and open files flat (the last quarter's median within 5% of the
 second quarter's, over the longest run of a server killed and started again; the file store's
-shard directories, which it keeps open as it first touches each, counted apart and at most 256 per
-process, a scan's one more); the stores within their budgets; the connector's loaded tokens on ``/metrics`` no more
-than the tokens vLLM reports served from its external cache. A broken invariant fails the run (exit 1).
+shard directories, which it keeps open as it first touches each, counted apart: at most 256 a
+process, and a scan's one more); the stores within their budgets; the connector's loaded tokens on
+``/metrics`` no more than the tokens vLLM reports served from its external cache. A broken
+invariant fails the run (exit 1).
 
 Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
 minutes, every fault three times); ``--quick`` runs every fault once in about 6 minutes (what

@@ -152,11 +152,12 @@ class SoakReport:
             if loaded > external:
                 problems.append(f"{name}: /metrics says the connector loaded {loaded:.0f} tokens, more than the "
                                 f"{external:.0f} vLLM served from its external cache")
-        self._print(rows, outcomes, flat, metrics, steady_share)
+        kinds = by_fault(rows)
+        self._print(rows, kinds, outcomes, flat, metrics, steady_share)
         slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
         print("\nslowest requests: " + ", ".join(f"{outcome.server} at {at:.1f} s took {outcome.seconds:.1f} s"
                                                  for at, outcome in slowest))
-        result = {"faults": rows, "by fault": by_fault(rows), "requests": len(outcomes), "failed": len(every_error),
+        result = {"faults": rows, "by fault": kinds, "requests": len(outcomes), "failed": len(every_error),
                   "timeline": [{"at": round(at, 3), **{key: value for key, value in vars(outcome).items()
                                                         if key not in ("tokens", "started")}}
                                for at, outcome in relative],
@@ -231,15 +232,15 @@ class SoakReport:
             if worst > self.tier_budget_bytes * 1.05:
                 problems.append(f"{name}'s file tier held {worst} bytes, over its budget of {self.tier_budget_bytes}")
 
-    def _print(self, rows: list[dict[str, Any]], outcomes: list[Outcome], flat: dict[str, dict[str, float]],
-               metrics: dict[str, dict[str, float]], steady_share: float) -> None:
+    def _print(self, rows: list[dict[str, Any]], kinds: list[dict[str, Any]], outcomes: list[Outcome],
+               flat: dict[str, dict[str, float]], metrics: dict[str, dict[str, float]], steady_share: float) -> None:
         print(f"\n{self.arguments.minutes:g} minutes, {2 * self.arguments.clients} clients on 2 servers; "
               f"{len(outcomes)} requests (each asked twice: served, and computed from nothing); before the first "
               f"fault {steady_share:.2f} of prompt tokens came from caches\n")
         print_table(rows)
-        if len(by_fault(rows)) < len(rows):
+        if len(kinds) < len(rows):
             print("\nper kind of fault:\n")
-            print_table(by_fault(rows))
+            print_table(kinds)
         for name, growth in flat.items():
             print(f"\n{name}: last quarter / second quarter: " + ", ".join(
                 f"{kind} {growth[kind]:.3f}x ({growth[kind + ' added']:+.0f})" for kind in GROWTH_FLOOR)
@@ -265,8 +266,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def by_fault(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-fault rows of a run, one per kind of fault: how often it ran, the requests, errors and
-    answers that differ summed, the worst latencies and the slowest return of hits (None: never, in
-    a repetition with enough requests after it to tell), the tokens loaded from the store summed."""
+    answers that differ summed, the worst latencies and the slowest return of hits (None when any
+    repetition has none: never back, or too few requests after it to tell), the tokens loaded from
+    the store summed."""
     kinds: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         kinds.setdefault(row["fault"], []).append(row)

@@ -175,13 +175,11 @@ class FileStore(ByteStore):
                     os.close(descriptor)
                 os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
                 return
-            except FileNotFoundError:
+            except OSError as error:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary, dir_fd=directory)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary, dir_fd=directory)
-                raise
+                if not isinstance(error, FileNotFoundError):  # that one: the directory may have gone, try again
+                    raise
         raise StoreError(f"{self._root}/{shard} vanished while writing")
 
     def _read(self, key: str, limit: int | None, into: memoryview | None = None) -> Stored | None:
