@@ -178,8 +178,14 @@ def small_calls(iterations: int, device: torch.device) -> list[str]:
         "module function unpack()|unpack": lambda i: unpack(manager, caches, [chunk], slots[(i + 11) % num_blocks]),
     }
     times = interleaved(variants, iterations, device)
-    return [f"| {key.split('|')[1]} | 16 | {key.split('|')[0]} | {statistics.median(values) * 1e3:.3f} |"
-            for key, values in times.items()]
+    rows = []
+    for key, values in times.items():
+        how, op = key.split("|")
+        baseline = f"bound KVTransfer ({bound.kernel})|{op}"
+        # Paired: each call against the bound call of the same iteration (issue 30's goal: <= 1.2x).
+        ratio = "1.00x" if key == baseline else f"{1 / paired(times, baseline, key):.2f}x"
+        rows.append(f"| {op} | 16 | {how} | {statistics.median(values) * 1e3:.3f} | {ratio} |")
+    return rows
 
 
 def allocation_cost(iterations: int, device: torch.device) -> list[str]:
@@ -261,8 +267,8 @@ def main() -> None:
         for row in throughput(allocation, args.cache_gib, args.iterations, device):
             print(row, flush=True)
     print(f"\nSmall calls: 32 layers, one tensor per layer, medians of {args.small_iterations} interleaved calls\n")
-    print("| op | tokens | how | ms per call |")
-    print("|---|---|---|---|")
+    print("| op | tokens | how | ms per call | vs the bound call (paired) |")
+    print("|---|---|---|---|---|")
     for row in small_calls(args.small_iterations, device):
         print(row, flush=True)
     print(f"\nChunk memory: 256-token block-aligned pack, medians of {args.iterations * 2} interleaved calls\n")

@@ -72,7 +72,7 @@ def mutate(action: str, caches: dict[str, Any], manager: KVLayerGroupsManager, g
     name = "l1"
     tensor = caches.get(name)
     if tensor is None and action in ("write in place", "set_ to other memory", "resize to another shape",
-                                     "restride in place"):
+                                     "restride in place", "transpose in place", "add a dimension in place"):
         return
     if action == "write in place":
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
@@ -86,6 +86,10 @@ def mutate(action: str, caches: dict[str, Any], manager: KVLayerGroupsManager, g
     elif action == "restride in place":
         flipped = torch.randn(SHAPE, generator=generator).transpose(3, 4).contiguous().transpose(3, 4)
         tensor.set_(flipped.untyped_storage(), 0, SHAPE, flipped.stride())
+    elif action == "transpose in place":  # the same memory, another shape and strides
+        tensor.transpose_(3, 4)
+    elif action == "add a dimension in place":
+        tensor.unsqueeze_(0)
     elif action == "rebuild the dict":
         caches.update(dict(caches))
     elif action == "drop a layer":
@@ -103,8 +107,8 @@ def mutate(action: str, caches: dict[str, Any], manager: KVLayerGroupsManager, g
 
 
 ACTIONS = ["write in place", "replace the tensor", "set_ to other memory", "resize to another shape",
-           "restride in place", "rebuild the dict", "drop a layer", "restore the layers", "edit a group",
-           "replace the state", "nothing"]
+           "restride in place", "transpose in place", "add a dimension in place", "rebuild the dict",
+           "drop a layer", "restore the layers", "edit a group", "replace the state", "nothing"]
 
 
 def test_the_kept_binding_never_serves_changed_caches(kernel: str) -> None:
@@ -139,6 +143,29 @@ def test_repeated_calls_reuse_one_binding_and_unpack_writes_the_callers_tensors(
         assert (binding_of(manager) is kept) == (monkeypatched == "torch")  # another kernel: bound again
     finally:
         os.environ["KVGROUPS_KERNEL"] = monkeypatched
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "requires_grad"])
+def test_a_call_in_another_autograd_mode_keeps_the_binding_and_moves_the_same_bytes(kernel: str, mode: str) -> None:
+    """What is not the caches' layout (the autograd mode of the call, a cache that now requires grad)
+    never makes the module functions bind again, and they move what a fresh transfer moves."""
+    caches, manager = model(2)
+    slots = torch.arange(5, 25)
+    expected = pack(manager, caches, slots, state_indices=[2])
+    kept = binding_of(manager)
+    if mode == "requires_grad":
+        caches["l0"].requires_grad_(True)
+        context: Any = torch.no_grad()
+    else:
+        context = getattr(torch, mode)()
+    with context:
+        chunks = pack(manager, caches, slots, state_indices=[2])
+        unpack(manager, caches, chunks, torch.arange(50, 70), state_indices=[4])
+    assert binding_of(manager) is kept
+    assert all(torch.equal(a, b) for a, b in zip(chunks, expected, strict=True))
+    with torch.no_grad():
+        again = KVTransfer(manager, caches).pack(torch.arange(50, 70), state_indices=[4])
+    assert all(torch.equal(a, b) for a, b in zip(again, expected, strict=True))
 
 
 def test_the_binding_never_keeps_the_callers_caches_alive(kernel: str) -> None:
