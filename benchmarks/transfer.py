@@ -169,13 +169,25 @@ def small_calls(iterations: int, device: torch.device) -> list[str]:
     reference = KVTransfer(manager, caches, kernel="torch")
     chunk = torch.empty(2, NUM_LAYERS, BLOCK_SIZE, HIDDEN, dtype=torch.bfloat16, device=device)
     slots = [torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE, device=device) for block in range(num_blocks)]
+    # Each variant's blocks lie num_blocks / 7 blocks (about 36 MiB of the 32 layers) after the previous
+    # variant's: a block one variant moved is one another moves only after about 20 iterations, when no
+    # CPU cache holds it any more. (Blocks a few apart, as before, made some variants read what another
+    # had moved two iterations earlier, still in the L3 cache: one of two identical transfers measured
+    # 1.1-1.3x the other's time.)
+    spacing = num_blocks // 7
+    twin = KVTransfer(manager, caches)  # the control: a second transfer bound alike measures 1.00x
+
+    def block(i: int, variant: int) -> torch.Tensor:
+        return slots[(i + variant * spacing) % num_blocks]
+
     variants: dict[str, Action] = {
-        f"bound KVTransfer ({bound.kernel})|pack": lambda i: bound.pack(slots[i % num_blocks], out=[chunk]),
-        f"bound KVTransfer ({bound.kernel})|unpack": lambda i: bound.unpack([chunk], slots[(i + 7) % num_blocks]),
-        "bound KVTransfer (torch)|pack": lambda i: reference.pack(slots[(i + 3) % num_blocks], out=[chunk]),
-        "bound KVTransfer (torch)|unpack": lambda i: reference.unpack([chunk], slots[(i + 9) % num_blocks]),
-        "module function pack()|pack": lambda i: pack(manager, caches, slots[(i + 5) % num_blocks], out=[chunk]),
-        "module function unpack()|unpack": lambda i: unpack(manager, caches, [chunk], slots[(i + 11) % num_blocks]),
+        f"bound KVTransfer ({bound.kernel})|pack": lambda i: bound.pack(block(i, 0), out=[chunk]),
+        f"bound KVTransfer ({bound.kernel})|unpack": lambda i: bound.unpack([chunk], block(i, 1)),
+        "bound KVTransfer (torch)|pack": lambda i: reference.pack(block(i, 2), out=[chunk]),
+        "bound KVTransfer (torch)|unpack": lambda i: reference.unpack([chunk], block(i, 3)),
+        "module function pack()|pack": lambda i: pack(manager, caches, block(i, 4), out=[chunk]),
+        "module function unpack()|unpack": lambda i: unpack(manager, caches, [chunk], block(i, 5)),
+        f"a second bound KVTransfer ({twin.kernel}), the control|pack": lambda i: twin.pack(block(i, 6), out=[chunk]),
     }
     times = interleaved(variants, iterations, device)
     rows = []
