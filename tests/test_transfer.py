@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -486,9 +487,11 @@ def kernel_moves_the_same_bytes_as_the_torch_path(kernel: str, case: Case, data:
     fast, reference = KVTransfer(manager, caches), KVTransfer(manager, caches, kernel="torch")
     assert fast.kernels == [served_by(kernel, case.layout)]
     assert reference.kernels == ["torch"]
-    wide = data.draw(st.booleans())  # the numba kernel's two widths for scattered rows (one is measured faster)
+    # The numba kernel's ways for scattered rows (one is measured fastest): two widths, and how many rows
+    # ahead a gather asks for (a hint: any number moves the same bytes).
+    wide, ahead = data.draw(st.booleans()), data.draw(st.sampled_from([0, 1, 3, 8, 16, 1000]))
     for copier in fast._copiers:
-        copier.wide = wide  # type: ignore[attr-defined]
+        copier.wide, copier.ahead = wide, ahead  # type: ignore[attr-defined]
     (chunk,) = fast.pack(slot_mapping, start=start, end=end)
     (expected,) = reference.pack(slot_mapping, start=start, end=end)
     assert torch.equal(chunk.view(torch.uint8), expected.view(torch.uint8))
@@ -498,7 +501,7 @@ def kernel_moves_the_same_bytes_as_the_torch_path(kernel: str, case: Case, data:
     wanted = {name: clone_cache(value) for name, value in caches.items()}
     writer = KVTransfer(manager, targets)
     for copier in writer._copiers:
-        copier.wide = wide  # type: ignore[attr-defined]
+        copier.wide, copier.ahead = wide, ahead  # type: ignore[attr-defined]
     writer.unpack([noise], slot_mapping, start=start, end=end)
     KVTransfer(manager, wanted, kernel="torch").unpack([noise], slot_mapping, start=start, end=end)
     for name in caches:
@@ -660,9 +663,10 @@ def test_groups_overlaid_on_one_vllm_buffer_move_only_their_own_blocks(layout: K
                 assert not got.any(), (layer, block)  # blocks no group owns stay as they were
 
 
-def test_scattered_rows_move_the_same_bytes_at_either_width_and_the_repr_says_which_was_measured(kernel: str) -> None:
-    """Sixteen rows in lockstep or four (the numba kernel measures which is faster on this CPU when it binds):
-    many scattered slots, long enough for a parallel, streaming call, moved alike by both and the torch path."""
+def test_scattered_rows_move_the_same_bytes_every_way_and_the_repr_says_which_was_measured(kernel: str) -> None:
+    """Sixteen rows in lockstep or four, asking for rows ahead or not (the numba kernel measures which is
+    fastest on this CPU when it binds): many scattered slots, long enough for a parallel, streaming call,
+    moved alike by every way and the torch path."""
     if kernel != "numba":
         pytest.skip("the two widths are the numba kernel's; the other kernels' bytes are held by the property tests")
     generator = torch.Generator().manual_seed(11)
@@ -673,22 +677,25 @@ def test_scattered_rows_move_the_same_bytes_at_either_width_and_the_repr_says_wh
     transfer, reference = KVTransfer(manager, caches, num_threads=2), KVTransfer(manager, caches, kernel="torch")
     assert_unchanged(caches, before)  # measuring the widths only reads the caches
     if kernel == "numba":
-        assert re.fullmatch(r"KVTransfer\(1 groups on cpu: full_attention x4: numba, scattered rows (16|4) at a "
-                            r"time \(measured: [\d.]+ ms for 16, [\d.]+ ms for 4\)\)", repr(transfer)), repr(transfer)
+        way = r"(16|4) at a time(, (16|8) rows ahead asked for)?"
+        assert re.fullmatch(rf"KVTransfer\(1 groups on cpu: full_attention x4: numba, scattered rows {way} \(measured: "
+                            rf"[\d.]+ ms for 16 at a time, [\d.]+ ms for 4 at a time, [\d.]+ ms for 16 at a time, 16 "
+                            rf"rows ahead asked for, [\d.]+ ms for 4 at a time, 8 rows ahead asked for\)\)",
+                            repr(transfer)), repr(transfer)
     slots = torch.randperm(256 * 16, generator=generator)[:2048]  # 8 MiB: parallel, streaming stores
     (expected,) = reference.pack(slots)
     noise = random_tensor(tuple(expected.shape), torch.bfloat16, generator)
     wanted = {name: clone_cache(value) for name, value in caches.items()}
     KVTransfer(manager, wanted, kernel="torch").unpack([noise], slots)
-    for wide in (True, False):
+    for wide, ahead in itertools.product((True, False), (0, 8, 16)):
         for copier in transfer._copiers:
-            copier.wide = wide  # type: ignore[attr-defined]
+            copier.wide, copier.ahead = wide, ahead  # type: ignore[attr-defined]
         (chunk,) = transfer.pack(slots)
         assert torch.equal(chunk.view(torch.uint8), expected.view(torch.uint8))
         targets = {name: clone_cache(value) for name, value in caches.items()}
         writer = KVTransfer(manager, targets, num_threads=2)
         for copier in writer._copiers:
-            copier.wide = wide  # type: ignore[attr-defined]
+            copier.wide, copier.ahead = wide, ahead  # type: ignore[attr-defined]
         writer.unpack([noise], slots)
         for name in caches:
-            assert torch.equal(targets[name].view(torch.uint8), wanted[name].view(torch.uint8)), (wide, name)
+            assert torch.equal(targets[name].view(torch.uint8), wanted[name].view(torch.uint8)), (wide, ahead, name)

@@ -1,12 +1,15 @@
-"""How many scattered rows the CPU kernel moves in lockstep, measured on the caches once per process.
+"""How the CPU kernel moves scattered rows, measured on the caches once per process: how many in lockstep,
+and how far ahead a gather asks for the rows it copies next.
 
-A gather of scattered token rows is bound by the misses (and page walks) in flight, and how many
-help depends on the CPU: on this project's AMD EPYC VM sixteen rows, a cache line of each in turn,
-moved arbitrary slots 1.2-1.36x as fast as four; elsewhere four may win. So the first transfer of
-each kind of row (row and chunk row bytes, layers and planes, threads) gathers a few MiB of
-scattered rows from its own caches into a scratch buffer both ways, interleaved, a few times (a few
-milliseconds, read-only on the caches), and keeps the faster for the process; ``KVTransfer``'s
-``lockstep`` and the debug log say which was chosen and what was measured.
+A gather of scattered token rows is bound by the misses (and page walks) in flight, and what keeps
+most in flight depends on the CPU: on this project's AMD EPYC VM sixteen rows, a cache line of each
+in turn, moved arbitrary slots 1.2-1.36x as fast as four on one day and slower on another, and
+asking for the first line of the rows a few rows on before copying the current ones took a 256-token
+gather from 0.71-0.75 to 0.85-0.89 of ``copy_`` in a probe (8 rows ahead of four; 16 and 32 did
+less). So the first transfer of each kind of row (row and chunk row bytes, layers and planes,
+threads) gathers a few MiB of scattered rows from its own caches into a scratch buffer in each way,
+interleaved, a few times (a few milliseconds, read-only on the caches), and keeps the fastest for
+the process; ``KVTransfer``'s ``lockstep`` and the debug log say which was chosen and what was measured.
 """
 
 from __future__ import annotations
@@ -25,15 +28,23 @@ from kvgroups.datapath.numba_intrinsics import WIDE_ROWS
 
 logger = logging.getLogger(__name__)
 
-ROUNDS = 3  # timed gathers per width, interleaved; the fastest of each counts
+ROUNDS = 3  # timed gathers per way, interleaved; the fastest of each counts
 SAMPLE_BYTES = 4 * MIB  # about as much as a chunk's gather moves, so that it runs as a chunk's does
+# The ways measured: (WIDE_ROWS in lockstep, else four; rows ahead a gather asks for, 0: none).
+WAYS: tuple[tuple[bool, int], ...] = ((True, 0), (False, 0), (True, WIDE_ROWS), (False, 8))
 _Kind = tuple[int, int, int, int]
-_chosen: dict[_Kind, tuple[bool, float, float]] = {}  # kind -> (wide, seconds wide, seconds four)
+_chosen: dict[_Kind, tuple[tuple[bool, int], dict[tuple[bool, int], float]]] = {}  # kind -> (way, seconds per way)
 _lock = threading.Lock()
 
 
+def _words(way: tuple[bool, int]) -> str:
+    wide, ahead = way
+    return f"{WIDE_ROWS if wide else 4} at a time" + (f", {ahead} rows ahead asked for" if ahead else "")
+
+
 def choose(copier: NumbaTokenCopier, num_slots: int) -> str:
-    """Set ``copier.wide`` to the faster width for its rows (measured once per kind); what was chosen, in words."""
+    """Set ``copier.wide`` and ``copier.ahead`` to the fastest way for its rows (measured once per kind); what
+    was chosen, in words."""
     if not copier.scattered_rows or num_slots < 2 * WIDE_ROWS:
         return "runs of whole rows"
     table = copier.tables[0]
@@ -42,24 +53,26 @@ def choose(copier: NumbaTokenCopier, num_slots: int) -> str:
     kind = (table.row_bytes, table.chunk_row_bytes, planes, threads)
     with _lock:
         if kind not in _chosen:
-            _chosen[kind] = _measure(copier, num_slots)
-            wide, seconds_wide, seconds_four = _chosen[kind]
-            logger.debug("numba kernel: scattered rows of %d bytes (%d planes x layers, %d threads) move %d at a "
-                         "time: %.3f ms for %d, %.3f ms for 4", table.row_bytes, planes, threads,
-                         WIDE_ROWS if wide else 4, seconds_wide * 1e3, WIDE_ROWS, seconds_four * 1e3)
-        wide, seconds_wide, seconds_four = _chosen[kind]
-    copier.wide = wide
-    return (f"scattered rows {WIDE_ROWS if wide else 4} at a time (measured: {seconds_wide * 1e3:.2f} ms for "
-            f"{WIDE_ROWS}, {seconds_four * 1e3:.2f} ms for 4)")
+            seconds = _measure(copier, num_slots)
+            _chosen[kind] = min(seconds, key=seconds.__getitem__), seconds
+            logger.debug("numba kernel: scattered rows of %d bytes (%d planes x layers, %d threads) move %s: %s",
+                         table.row_bytes, planes, threads, _words(_chosen[kind][0]), _measured(seconds))
+        way, seconds = _chosen[kind]
+    copier.wide, copier.ahead = way
+    return f"scattered rows {_words(way)} (measured: {_measured(seconds)})"
 
 
-def _measure(copier: NumbaTokenCopier, num_slots: int) -> tuple[bool, float, float]:
-    """The fastest of :data:`ROUNDS` gathers at each width, interleaved, each of slots of its own (so that
-    none finds its rows in the CPU's caches)."""
+def _measured(seconds: dict[tuple[bool, int], float]) -> str:
+    return ", ".join(f"{value * 1e3:.2f} ms for {_words(way)}" for way, value in seconds.items())
+
+
+def _measure(copier: NumbaTokenCopier, num_slots: int) -> dict[tuple[bool, int], float]:
+    """The fastest of :data:`ROUNDS` gathers in each of :data:`WAYS`, interleaved (the order rotating), each
+    of slots of its own (so that none finds its rows in the CPU's caches)."""
     table = copier.tables[0]
     planes = sum(len(bases) for bases in copier.bases)
     per_token = planes * table.chunk_row_bytes
-    runs = 2 * (ROUNDS + 1)
+    runs = len(WAYS) * (ROUNDS + 1)
     tokens = max(WIDE_ROWS, min(num_slots // runs, math.ceil(SAMPLE_BYTES / per_token)) // WIDE_ROWS * WIDE_ROWS)
     every = np.random.default_rng(0).permutation(num_slots).astype(np.int64)
     # (Small caches repeat slots across runs, never within one: a pack may read a slot twice anyway.)
@@ -67,14 +80,15 @@ def _measure(copier: NumbaTokenCopier, num_slots: int) -> tuple[bool, float, flo
     # Where the rows go: a chunk of these tokens (64-byte aligned, as the chunks the data path hands out are).
     scratch = torch.empty(tokens * per_token + table.chunk_column + 64, dtype=torch.uint8)
     chunk_at = scratch.data_ptr() + (-scratch.data_ptr() % 64)
-    best = {True: math.inf, False: math.inf}
+    best = dict.fromkeys(WAYS, math.inf)
     for round_ in range(ROUNDS + 1):  # the first round is a warm-up
-        for wide in ((True, False) if round_ % 2 else (False, True)):
-            slots = samples[2 * round_ + wide]
+        for turn in range(len(WAYS)):
+            way = WAYS[(turn + round_) % len(WAYS)]
+            slots = samples[len(WAYS) * round_ + turn]
             begin = time.perf_counter()
             for index, each in enumerate(copier.tables):
                 copier.launch(index, slots, chunk_at + each.chunk_offset(tokens), tokens * per_token, scatter=False,
-                              wide=wide)
+                              wide=way[0], ahead=way[1])
             if round_:
-                best[wide] = min(best[wide], time.perf_counter() - begin)
-    return best[True] <= best[False], best[True], best[False]
+                best[way] = min(best[way], time.perf_counter() - begin)
+    return best

@@ -30,6 +30,7 @@ from kvgroups.datapath.numba_intrinsics import (
     copy_pieces,
     copy_wide,
     move_element,
+    prefetch_rows,
 )
 from kvgroups.datapath.slots import CallSlots
 
@@ -86,10 +87,11 @@ def _token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: i
 
 @njit(nogil=True, cache=True, inline="always")
 def _copy_group(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int,
-                first: Any, offset: Any, length: Any, scatter: bool, streaming: bool, wide: int) -> None:
+                first: Any, offset: Any, length: Any, scatter: bool, streaming: bool, wide: int, ahead: int) -> None:
     """Runs ``16g .. 16g + 15`` of one (plane, layer) where every run is short (``wide``: scattered rows),
     all in lockstep when they are as long, a cache line of each in turn (``wide`` 2: with streaming
-    stores); else runs ``4g .. 4g + 3``."""
+    stores); else runs ``4g .. 4g + 3``. A gather with ``ahead`` asks first for the first line of the
+    rows that many rows on (their misses and page walks then overlap this copy)."""
     per_item = _GROUP if wide else 4
     items = (first.shape[0] + per_item - 1) // per_item
     plane = item // items
@@ -112,11 +114,13 @@ def _copy_group(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: i
         if scatter:
             copy_wide(caches, chunks, length[run] * row_bytes, wide == 2)
         else:
+            if ahead:
+                prefetch_rows(base, offset, run + ahead, _GROUP)
             copy_wide(chunks, caches, length[run] * row_bytes, wide == 2)
         return
     for quad in range(run, min(run + per_item, first.shape[0]), 4):
         _copy_quad(plane, quad, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
-                   streaming)
+                   streaming, ahead)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -129,7 +133,7 @@ def _same_lengths(length: Any, run: int) -> bool:
 
 @njit(nogil=True, cache=True, inline="always")
 def _copy_quad(plane: int, run: int, bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int,
-               first: Any, offset: Any, length: Any, scatter: bool, streaming: bool) -> None:
+               first: Any, offset: Any, length: Any, scatter: bool, streaming: bool, ahead: int) -> None:
     """Runs ``run .. run + 3`` of one (plane, layer): in lockstep when they are as long, else one by one."""
     base = bases[plane]
     rows = plane * num_tokens
@@ -143,6 +147,8 @@ def _copy_quad(plane: int, run: int, bases: Any, chunk: int, num_tokens: int, ro
         if scatter:
             copy_pieces(caches, chunks, length[run] * row_bytes, streaming)
         else:
+            if ahead:
+                prefetch_rows(base, offset, run + ahead, 4)
             copy_pieces(chunks, caches, length[run] * row_bytes, streaming)
         return
     for each in range(run, min(run + 4, first.shape[0])):
@@ -152,7 +158,6 @@ def _copy_quad(plane: int, run: int, bases: Any, chunk: int, num_tokens: int, ro
             copy_piece(cache_at, chunk_at, length[each] * row_bytes, streaming)
         else:
             copy_piece(chunk_at, cache_at, length[each] * row_bytes, streaming)
-
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -188,14 +193,13 @@ def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, chunk_row_by
 
 @njit(nogil=True, cache=True)
 def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
-                        offset: Any,
-                        length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
-                        element_stride: int, scatter: bool, streaming: bool, wide: int) -> None:
+                        offset: Any, length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
+                        element_stride: int, scatter: bool, streaming: bool, wide: int, ahead: int) -> None:
     if units == 1 and element_stride == element_bytes:
         per_item = _GROUP if wide else 4
         for item in range(bases.shape[0] * ((first.shape[0] + per_item - 1) // per_item)):
             _copy_group(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
-                        streaming, wide)
+                        streaming, wide, ahead)
     else:
         for item in range(bases.shape[0] * num_tokens):
             _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
@@ -204,14 +208,13 @@ def _copy_tokens_serial(bases: Any, chunk: int, num_tokens: int, row_bytes: int,
 
 @njit(nogil=True, cache=True, parallel=True)
 def _copy_tokens_parallel(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
-                          offset: Any,
-                          length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
-                          element_stride: int, scatter: bool, streaming: bool, wide: int) -> None:
+                          offset: Any, length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
+                          element_stride: int, scatter: bool, streaming: bool, wide: int, ahead: int) -> None:
     if units == 1 and element_stride == element_bytes:
         per_item = _GROUP if wide else 4
         for item in prange(bases.shape[0] * ((first.shape[0] + per_item - 1) // per_item)):
             _copy_group(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length, scatter,
-                        streaming, wide)
+                        streaming, wide, ahead)
     else:
         for item in prange(bases.shape[0] * num_tokens):
             _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
@@ -244,9 +247,11 @@ class NumbaTokenCopier:
         self.tables = tables
         self.block_size = block_size
         self.num_threads = num_threads
-        # Scattered rows WIDE_ROWS at a time, else four: which is faster depends on the CPU, so the
-        # data path measures both once per process and kind of row (kvgroups.datapath.lockstep).
+        # Scattered rows WIDE_ROWS at a time, else four, and how many rows ahead a gather asks for
+        # (0: none): which is faster depends on the CPU, so the data path measures them once per
+        # process and kind of row (kvgroups.datapath.lockstep).
         self.wide = True
+        self.ahead = 0
         self.lockstep = "not measured"  # what was chosen, in words
         self.bases = [table.bases.numpy() for table in tables]
         # What every cache-side row address is a multiple of (bases and the strides between rows).
@@ -263,11 +268,13 @@ class NumbaTokenCopier:
         check_still_bound(self.tables[0])  # every table of a group addresses the same tensors
         for index, table in enumerate(self.tables):
             self.launch(index, slots, chunk.data_ptr() + table.chunk_offset(call.num_tokens), num_bytes, scatter,
-                        self.wide)
+                        self.wide, self.ahead)
 
-    def launch(self, index: int, slots: np.ndarray, chunk_at: int, num_bytes: int, scatter: bool, wide: bool) -> None:
+    def launch(self, index: int, slots: np.ndarray, chunk_at: int, num_bytes: int, scatter: bool, wide: bool,
+               ahead: int) -> None:
         """Copy ``slots``' rows of table ``index`` to or from the chunk rows at ``chunk_at`` (a chunk of
-        ``num_bytes`` in all); ``wide``: scattered rows WIDE_ROWS at a time, else four."""
+        ``num_bytes`` in all); ``wide``: scattered rows WIDE_ROWS at a time, else four; ``ahead``: a
+        gather of scattered rows asks for the rows that many rows on first."""
         table, bases, cache_alignment = self.tables[index], self.bases[index], self.cache_alignment[index]
         threads = self.num_threads or torch.get_num_threads()
         parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
@@ -286,7 +293,7 @@ class NumbaTokenCopier:
         lockstep = 0 if not (wide and short) or (streaming and not wide_streaming) else 2 if wide_streaming else 1
         arguments = (bases, chunk_at, slots.shape[0], table.row_bytes, table.chunk_row_bytes, first, offset, length,
                      table.units, table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride,
-                     scatter, streaming, lockstep)
+                     scatter, streaming, lockstep, ahead if short and not scatter else 0)
         if parallel:
             with parallel_region():
                 numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -331,10 +338,10 @@ def warm_up() -> None:
     first, offset, length = _token_runs(slots, 2, 64, 32, 32, True)
     for streaming in (False, STREAMING_STORES):
         _copy_tokens_serial(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4, False,
-                            streaming, 2 if streaming else 1)
+                            streaming, 2 if streaming else 1, 1)
         with parallel_region():
             _copy_tokens_parallel(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4,
-                                  False, streaming, 2 if streaming else 1)
+                                  False, streaming, 2 if streaming else 1, 1)
     if not np.array_equal(source, target):
         raise RuntimeError("the numba copy kernel failed its warm-up copy")
     one = np.zeros(1, dtype=np.int64)

@@ -96,6 +96,31 @@ def copy_wide(targets: Any, sources: Any, num_bytes: int, streaming: bool) -> No
 
 
 @intrinsic
+def prefetch(typingctx: Any, address: Any) -> Any:
+    """Ask for the cache line at a raw address (int64) to be read into every cache level; never faults."""
+    signature = types.void(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        (at,) = args
+        word = ir.IntType(32)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, word, word, word]), "llvm.prefetch.p0")
+        # read (0), keep in every level (3), data (1)
+        builder.call(function, [builder.inttoptr(at, cgutils.voidptr_t), ir.Constant(word, 0), ir.Constant(word, 3),
+                                ir.Constant(word, 1)])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def prefetch_rows(base: int, offset: Any, start: int, count: int) -> None:
+    """The first line of rows ``start .. start + count - 1`` at ``base + offset[row]``, those that exist."""
+    for row in range(start, min(start + count, offset.shape[0])):
+        prefetch(base + offset[row])
+
+
+@intrinsic
 def memcpy(typingctx: Any, destination: Any, source: Any, num_bytes: Any) -> Any:
     """libc's memcpy between two raw addresses given as int64 (through LLVM's memcpy intrinsic)."""
     signature = types.void(types.int64, types.int64, types.int64)
