@@ -82,7 +82,8 @@ def make_caches(allocation: str, cache_gib: float, device: torch.device) -> dict
     return {f"model.layers.{index}.self_attn.attn": layer for index, layer in enumerate(layers)}
 
 
-def throughput(allocation: str, cache_gib: float, iterations: int, device: torch.device) -> list[str]:
+def throughput(allocation: str, cache_gib: float, iterations: int, device: torch.device) -> tuple[list[str], list[str]]:
+    """The table's rows for one allocation, and how each bound transfer moves scattered rows (its repr)."""
     torch.manual_seed(0)
     caches = make_caches(allocation, cache_gib, device)
     num_blocks = next(iter(caches.values())).shape[1]
@@ -156,7 +157,7 @@ def throughput(allocation: str, cache_gib: float, iterations: int, device: torch
             f"| {allocation} | {mode} | {op} | {name} | {chunk_bytes / statistics.median(times[key]) / 1e9:.2f} | "
             f"{paired(times, baseline, key):.2f} |"
         )
-    return rows
+    return rows, [f"{allocation}, {name}: {transfer!r}" for name, transfer in bound.items() if name != "torch"]
 
 
 def small_calls(iterations: int, device: torch.device) -> list[str]:
@@ -275,9 +276,15 @@ def main() -> None:
     print("| allocation | slot mapping (or baseline) | op | kernel | GB/s | vs (a) for pack, (a') for unpack |")
     print("|---|---|---|---|---|---|")
     allocations = ["per-layer", "pool"] if args.allocation == "both" else [args.allocation]
+    chosen = []
     for allocation in allocations:
-        for row in throughput(allocation, args.cache_gib, args.iterations, device):
+        rows, transfers = throughput(allocation, args.cache_gib, args.iterations, device)
+        for row in rows:
             print(row, flush=True)
+        chosen += transfers
+    print("\nThe transfers measured (what each chose when it bound):\n")
+    for line in chosen:
+        print(f"- {line}")
     print(f"\nSmall calls: 32 layers, one tensor per layer, medians of {args.small_iterations} interleaved calls\n")
     print("| op | tokens | how | ms per call | vs the bound call (paired) |")
     print("|---|---|---|---|---|")
