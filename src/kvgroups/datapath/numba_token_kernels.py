@@ -160,42 +160,27 @@ def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, chunk_row_by
 
 
 
-def _serial(scatter: bool) -> Any:
+def _kernel(parallel: bool, scatter: bool) -> Any:
+    """The kernel for one direction, on one thread or (``parallel``) all, its loop numba's ``prange``."""
+    loop = prange if parallel else range
+
     def copy_tokens(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
                     offset: Any, length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
                     element_stride: int, streaming: bool, wide: int, ahead: int) -> None:
         if units == 1 and element_stride == element_bytes:
             items = (first.shape[0] + (_GROUP if wide else 4) - 1) // (_GROUP if wide else 4)
-            for item in range(bases.shape[0] * items):
+            for item in loop(bases.shape[0] * items):
                 _copy_group(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length,
                             scatter, streaming, wide, ahead)
         else:
-            for item in range(bases.shape[0] * num_tokens):
+            for item in loop(bases.shape[0] * num_tokens):
                 _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
                             element_bytes, element_stride, scatter)
 
-    return njit(nogil=True, cache=True)(copy_tokens)
-
-
-def _parallel(scatter: bool) -> Any:
-    def copy_tokens(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
-                    offset: Any, length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
-                    element_stride: int, streaming: bool, wide: int, ahead: int) -> None:
-        if units == 1 and element_stride == element_bytes:
-            items = (first.shape[0] + (_GROUP if wide else 4) - 1) // (_GROUP if wide else 4)
-            for item in prange(bases.shape[0] * items):
-                _copy_group(item, bases, chunk, num_tokens, row_bytes, chunk_row_bytes, first, offset, length,
-                            scatter, streaming, wide, ahead)
-        else:
-            for item in prange(bases.shape[0] * num_tokens):
-                _copy_heads(item, bases, chunk, num_tokens, chunk_row_bytes, offset, units, unit_bytes, unit_stride,
-                            element_bytes, element_stride, scatter)
-
-    return njit(nogil=True, cache=True, parallel=True)(copy_tokens)
+    return njit(nogil=True, cache=True, parallel=parallel)(copy_tokens)
 
 
 # (parallel, scatter) -> its kernel; numba compiles each on its first call (or loads it from its cache).
 TOKEN_KERNELS: dict[tuple[bool, bool], Any] = {
-    (parallel, scatter): (_parallel if parallel else _serial)(scatter) for parallel in (False, True)
-    for scatter in (False, True)
+    (parallel, scatter): _kernel(parallel, scatter) for parallel in (False, True) for scatter in (False, True)
 }
