@@ -5,11 +5,12 @@ A gather of scattered token rows is bound by the misses (and page walks) in flig
 most in flight depends on the CPU: on this project's AMD EPYC VM sixteen rows, a cache line of each
 in turn, moved arbitrary slots 1.2-1.36x as fast as four on one day and slower on another, and
 asking for the first line of the rows a few rows on before copying the current ones took a 256-token
-gather from 0.71-0.75 to 0.85-0.89 of ``copy_`` in a probe (8 rows ahead of four; 16 and 32 did
-less). So the first transfer of each kind of row (row and chunk row bytes, layers and planes,
-threads) gathers a few MiB of scattered rows from its own caches into a scratch buffer in each way,
-interleaved, a few times (a few milliseconds, read-only on the caches), and keeps the fastest for
-the process; ``KVTransfer``'s ``lockstep`` and the debug log say which was chosen and what was measured.
+gather from 0.75 to 0.78 of ``copy_`` with four rows (8 ahead) and from 0.82 to 0.85 with sixteen
+(16 ahead), in one process; the ways' order changes between runs. So the first transfer of each
+kind of row (row and chunk row bytes, layers and planes, threads) gathers a few MiB of scattered
+rows from its own caches into a scratch buffer in each way, interleaved, a few times (a few
+milliseconds, read-only on the caches), and keeps the fastest for the process; ``KVTransfer``'s
+``lockstep`` and the debug log say which was chosen and what was measured.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class NumbaTokenCopier:
         parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
         # Tokens merge into one run only when a row is one piece in the cache and in the chunk.
         first, offset, length = token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
-                                            table.row_bytes, table.rows_contiguous and table.chunk_rows_contiguous)
+                                           table.row_bytes, table.rows_contiguous and table.chunk_rows_contiguous)
         # Stores that bypass the cache pay off where the written rows are not read soon: the caches
         # (unpack), and chunks too large to stay cached (pack). They need 32-byte aligned rows.
         streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous

@@ -31,7 +31,7 @@ _GROUP = WIDE_ROWS  # runs per work item
 
 @njit(nogil=True, cache=True)
 def token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: int, run_bytes: int,
-                merge: bool) -> Any:
+               merge: bool) -> Any:
     """Runs of tokens whose rows follow each other in the cache: (first token, byte offset, length)."""
     count = slots.shape[0]
     first = np.empty(count, np.int64)
