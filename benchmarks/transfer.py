@@ -18,6 +18,7 @@ same iteration. Then: 16-token calls (the fixed cost of a call), pack with and w
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import statistics
@@ -71,6 +72,19 @@ def paired(times: dict[str, list[float]], baseline: str, variant: str) -> float:
     return statistics.median(b / v for b, v in zip(times[baseline], times[variant], strict=True))
 
 
+def stride_through(count: int, at_least: int) -> int:
+    """How many windows of ``count`` an iteration steps on: at least ``at_least`` (each variant its own window
+    in an iteration) and prime to ``count``, so that over the iterations each variant visits every window.
+
+    (A step of 16 over 64 windows, as before, kept each variant on four chunks of slots and four regions
+    of its baseline for the whole run.)
+    """
+    step = at_least
+    while math.gcd(step, count) != 1:
+        step += 1
+    return step
+
+
 def make_caches(allocation: str, cache_gib: float, device: torch.device) -> dict[str, torch.Tensor]:
     block_bytes = NUM_LAYERS * 2 * BLOCK_SIZE * HIDDEN * 2
     num_blocks = int(cache_gib * (1 << 30)) // block_bytes
@@ -122,21 +136,24 @@ def throughput(allocation: str, cache_gib: float, iterations: int, device: torch
         variants[name] = make(count)  # each variant walks its own regions and chunks
         count += 1
 
+    num_variants = 2 + 4 * len(bound)
+    chunk_step, region_step = stride_through(chunks_per_table, num_variants), stride_through(regions, num_variants)
+
     def copy_in(offset: int) -> Action:
-        return lambda i: chunk.view(-1).copy_(region[((i * 16 + offset) % regions) * numel:][:numel])
+        return lambda i: chunk.view(-1).copy_(region[((i * region_step + offset) % regions) * numel:][:numel])
 
     def copy_out(offset: int) -> Action:
-        return lambda i: region[((i * 16 + offset) % regions) * numel:][:numel].copy_(chunk.view(-1))
+        return lambda i: region[((i * region_step + offset) % regions) * numel:][:numel].copy_(chunk.view(-1))
 
     add("(a)", copy_in)
     add("(a')", copy_out)
     for name, transfer in bound.items():
         for mode in ("block-aligned", "arbitrary slots"):
             def packer(offset: int, transfer: KVTransfer = transfer, mode: str = mode) -> Action:
-                return lambda i: transfer.pack(slots_of(mode, i * 16 + offset), out=[chunk])
+                return lambda i: transfer.pack(slots_of(mode, i * chunk_step + offset), out=[chunk])
 
             def unpacker(offset: int, transfer: KVTransfer = transfer, mode: str = mode) -> Action:
-                return lambda i: transfer.unpack([chunk], slots_of(mode, i * 16 + offset))
+                return lambda i: transfer.unpack([chunk], slots_of(mode, i * chunk_step + offset))
 
             add(f"{name}|{mode}|pack", packer)
             add(f"{name}|{mode}|unpack", unpacker)

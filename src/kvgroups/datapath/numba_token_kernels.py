@@ -58,7 +58,7 @@ def _copy_group(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: i
                 first: Any, offset: Any, length: Any, scatter: bool, streaming: bool, wide: int, ahead: int) -> None:
     """Runs ``16g .. 16g + 15`` of one (plane, layer) where every run is short (``wide``: scattered rows),
     all in lockstep when they are as long, a cache line of each in turn (``wide`` 2: with streaming
-    stores); else runs ``4g .. 4g + 3``. A gather with ``ahead`` asks first for the first line of the
+    stores); else runs ``4g .. 4g + 3``. A gather with ``ahead`` asks first for the first bytes of the
     rows that many rows on (their misses and page walks then overlap this copy)."""
     per_item = _GROUP if wide else 4
     items = (first.shape[0] + per_item - 1) // per_item
@@ -83,7 +83,7 @@ def _copy_group(item: int, bases: Any, chunk: int, num_tokens: int, row_bytes: i
             copy_wide(caches, chunks, length[run] * row_bytes, wide == 2)
         else:
             if ahead:
-                prefetch_rows(base, offset, run + ahead, _GROUP)
+                prefetch_rows(base, offset, length, row_bytes, run + ahead, _GROUP)
             copy_wide(chunks, caches, length[run] * row_bytes, wide == 2)
         return
     for quad in range(run, min(run + per_item, first.shape[0]), 4):
@@ -116,7 +116,7 @@ def _copy_quad(plane: int, run: int, bases: Any, chunk: int, num_tokens: int, ro
             copy_pieces(caches, chunks, length[run] * row_bytes, streaming)
         else:
             if ahead:
-                prefetch_rows(base, offset, run + ahead, 4)
+                prefetch_rows(base, offset, length, row_bytes, run + ahead, 4)
             copy_pieces(chunks, caches, length[run] * row_bytes, streaming)
         return
     for each in range(run, min(run + 4, first.shape[0])):
