@@ -19,7 +19,7 @@ from numba import njit, prange
 from kvgroups.core.cpu_pages import AMX_KEY_TOKENS_PER_GROUP, AMX_VALUE_ELEMENTS_PER_GROUP
 from kvgroups.datapath import numba_copy
 from kvgroups.datapath.address_tables import AmxTable, check_still_bound
-from kvgroups.datapath.numba_copy import parallel_region
+from kvgroups.datapath.numba_copy import run_parallel
 from kvgroups.datapath.numba_intrinsics import move_element
 from kvgroups.datapath.slots import CallSlots
 
@@ -98,9 +98,7 @@ class NumbaAmxCopier:
                      table.block_stride, table.head_stride, table.num_heads, table.head_size, scatter)
         threads = self.num_threads or torch.get_num_threads()
         if threads > 1 and chunk.numel() * chunk.element_size() >= numba_copy.PARALLEL_MIN_BYTES:
-            with parallel_region():
-                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-                _copy_parallel(*arguments)
+            run_parallel(_copy_parallel, arguments, threads)
         else:
             _copy_serial(*arguments)
 
@@ -114,7 +112,7 @@ def warm_up() -> None:
     slots = torch.arange(16, dtype=torch.int64).numpy()
     for kernel in (_copy_serial, _copy_parallel):
         for scatter in (False, True):
-            with parallel_region():
-                kernel(bases, chunk.data_ptr(), 16, slots, 16, page.stride(0) * 2, page.stride(1) * 2, 1, 16, scatter)
+            run_parallel(kernel, (bases, chunk.data_ptr(), 16, slots, 16, page.stride(0) * 2, page.stride(1) * 2, 1, 16,
+                                  scatter), numba.config.NUMBA_NUM_THREADS)
     if not torch.equal(page, expected) or chunk[0, 0, 1, 0] != page.flatten()[2]:
         raise RuntimeError("the numba amx kernel failed its warm-up copy")

@@ -9,10 +9,8 @@ does so only when the kernel is chosen.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numba
@@ -23,7 +21,7 @@ from numba import njit
 from kvgroups.core.sizes import MIB
 from kvgroups.datapath.address_tables import StateTable, TokenTable, check_still_bound
 from kvgroups.datapath.numba_intrinsics import STREAMING_STORES, VECTOR_BYTES, WIDE_VECTOR_BYTES, copy_piece
-from kvgroups.datapath.numba_token_kernels import LOCKSTEP_MAX_BYTES, TOKEN_KERNELS, token_runs
+from kvgroups.datapath.numba_token_kernels import LOCKSTEP_MAX_BYTES, TOKEN_KERNELS
 from kvgroups.datapath.slots import CallSlots
 
 # Below this many bytes a call runs on one thread (see the module docstring).
@@ -34,18 +32,27 @@ STREAMING_MIN_BYTES = 4 * MIB
 _PARALLEL_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def parallel_region() -> Iterator[None]:
-    """One parallel kernel at a time, leaving torch's thread count as the caller set it.
+_numba_threads = threading.local()  # the thread count this thread last gave numba
+
+
+def run_parallel(kernel: Any, arguments: tuple[Any, ...], threads: int) -> None:
+    """``kernel(*arguments)`` on ``threads`` threads (at most numba's), one parallel kernel at a time, leaving
+    torch's thread count as the caller set it.
 
     numba's OpenMP threading layer shares libgomp with torch: launching a parallel kernel sets the
     calling thread's OpenMP thread count, which is the one torch reads, so a caller that pinned torch
-    to one thread would find its ops on every core afterwards.
+    to one thread would find its ops on every core afterwards. numba's own count is set only when it
+    changes (it is the calling thread's, and only this function sets it): after a copy has evicted the
+    CPU's caches every Python-level step before the kernel starts costs tens of microseconds.
     """
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
     torch_threads = torch.get_num_threads()
     with _PARALLEL_LOCK:
         try:
-            yield
+            if getattr(_numba_threads, "count", None) != threads:
+                numba.set_num_threads(threads)
+                _numba_threads.count = threads
+            kernel(*arguments)
         finally:
             if torch.get_num_threads() != torch_threads:
                 torch.set_num_threads(torch_threads)
@@ -108,9 +115,6 @@ class NumbaTokenCopier:
         table, bases, cache_alignment = self.tables[index], self.bases[index], self.cache_alignment[index]
         threads = self.num_threads or torch.get_num_threads()
         parallel = threads > 1 and num_bytes >= PARALLEL_MIN_BYTES
-        # Tokens merge into one run only when a row is one piece in the cache and in the chunk.
-        first, offset, length = token_runs(slots, self.block_size, table.block_stride, table.offset_stride,
-                                           table.row_bytes, table.rows_contiguous and table.chunk_rows_contiguous)
         # Stores that bypass the cache pay off where the written rows are not read soon: the caches
         # (unpack), and chunks too large to stay cached (pack). They need 32-byte aligned rows.
         streaming = ((scatter or num_bytes >= STREAMING_MIN_BYTES) and table.rows_contiguous
@@ -119,16 +123,16 @@ class NumbaTokenCopier:
         # Scattered rows move WIDE_ROWS at a time, a cache line each: streaming stores need 64-byte rows.
         wide_streaming = streaming and (cache_alignment if scatter else chunk_at) % WIDE_VECTOR_BYTES == 0 and (
             table.row_bytes % WIDE_VECTOR_BYTES == 0 and table.chunk_row_bytes % WIDE_VECTOR_BYTES == 0)
-        short = bool(length.size) and int(length.max()) * table.row_bytes <= LOCKSTEP_MAX_BYTES
-        lockstep = 0 if not (wide and short) or (streaming and not wide_streaming) else 2 if wide_streaming else 1
-        arguments = (bases, chunk_at, slots.shape[0], table.row_bytes, table.chunk_row_bytes, first, offset, length,
+        # What the kernel does with runs of scattered rows when they are short (it finds the runs).
+        lockstep = 0 if not wide or (streaming and not wide_streaming) else 2 if wide_streaming else 1
+        # Tokens merge into one run only when a row is one piece in the cache and in the chunk.
+        arguments = (bases, chunk_at, slots, self.block_size, table.block_stride, table.offset_stride,
+                     table.rows_contiguous and table.chunk_rows_contiguous, table.row_bytes, table.chunk_row_bytes,
                      table.units, table.unit_bytes, table.unit_stride, table.element_bytes, table.element_stride,
-                     streaming, lockstep, ahead if short and not scatter else 0)
+                     streaming, lockstep, 0 if scatter else ahead)
         kernel = TOKEN_KERNELS[parallel, scatter]
         if parallel:
-            with parallel_region():
-                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-                kernel(*arguments)
+            run_parallel(kernel, arguments, threads)
         else:
             kernel(*arguments)
 
@@ -166,13 +170,15 @@ def warm_up() -> None:
     source, target = memory[start:start + 64], memory[start + 128:start + 192]
     bases = np.array([source.ctypes.data], dtype=np.int64)
     slots = np.array([0, 1], dtype=np.int64)
-    first, offset, length = token_runs(slots, 2, 64, 32, 32, True)
     # Gathers first (source to target), then scatters (target back to source, the same bytes).
     for (parallel, _), kernel in sorted(TOKEN_KERNELS.items(), key=lambda item: item[0][1]):
         for streaming in (False, STREAMING_STORES):
-            with parallel_region() if parallel else contextlib.nullcontext():
-                kernel(bases, target.ctypes.data, 2, 32, 32, first, offset, length, 1, 32, 32, 4, 4, streaming,
-                       2 if streaming else 1, 1)
+            arguments = (bases, target.ctypes.data, slots, 2, 64, 32, True, 32, 32, 1, 32, 32, 4, 4, streaming,
+                         2 if streaming else 1, 1)
+            if parallel:
+                run_parallel(kernel, arguments, numba.config.NUMBA_NUM_THREADS)
+            else:
+                kernel(*arguments)
     if not np.array_equal(source, target):
         raise RuntimeError("the numba copy kernel failed its warm-up copy")
     one = np.zeros(1, dtype=np.int64)

@@ -32,7 +32,8 @@ _GROUP = WIDE_ROWS  # runs per work item
 @njit(nogil=True, cache=True)
 def token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: int, run_bytes: int,
                merge: bool) -> Any:
-    """Runs of tokens whose rows follow each other in the cache: (first token, byte offset, length)."""
+    """Runs of tokens whose rows follow each other in the cache: (first token, byte offset, length), and the
+    longest run's length (0 without slots)."""
     count = slots.shape[0]
     first = np.empty(count, np.int64)
     offset = np.empty(count, np.int64)
@@ -50,7 +51,10 @@ def token_runs(slots: Any, block_size: int, block_stride: int, offset_stride: in
             length[runs] = 1
             runs += 1
         previous = position
-    return first[:runs], offset[:runs], length[:runs]
+    longest = 0
+    for run in range(runs):  # here, not in the parallel kernel, where numba would make it a parallel reduction
+        longest = max(longest, length[run])
+    return first[:runs], offset[:runs], length[:runs], longest
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -161,12 +165,23 @@ def _copy_heads(item: int, bases: Any, chunk: int, num_tokens: int, chunk_row_by
 
 
 def _kernel(parallel: bool, scatter: bool) -> Any:
-    """The kernel for one direction, on one thread or (``parallel``) all, its loop numba's ``prange``."""
+    """The kernel for one direction, on one thread or (``parallel``) all, its loop numba's ``prange``.
+
+    It finds the slots' runs itself: every call into numba from Python costs its dispatch, and after a
+    copy of tens of MiB has evicted the CPU's caches each costs 30-100 us (a 256-token chunk moves in
+    0.7-1.3 ms). (numba's ``set_num_threads`` inside the kernel would save another, but a kernel that
+    calls it cannot be cached: every process would compile it again.)
+    """
     loop = prange if parallel else range
 
-    def copy_tokens(bases: Any, chunk: int, num_tokens: int, row_bytes: int, chunk_row_bytes: int, first: Any,
-                    offset: Any, length: Any, units: int, unit_bytes: int, unit_stride: int, element_bytes: int,
-                    element_stride: int, streaming: bool, wide: int, ahead: int) -> None:
+    def copy_tokens(bases: Any, chunk: int, slots: Any, block_size: int, block_stride: int, offset_stride: int,
+                    merge: bool, row_bytes: int, chunk_row_bytes: int, units: int, unit_bytes: int, unit_stride: int,
+                    element_bytes: int, element_stride: int, streaming: bool, wide: int, ahead: int) -> None:
+        num_tokens = slots.shape[0]
+        first, offset, length, longest = token_runs(slots, block_size, block_stride, offset_stride, row_bytes, merge)
+        # Runs of scattered rows move in lockstep (wide) and a gather asks ahead only when every run is short.
+        if longest == 0 or longest * row_bytes > LOCKSTEP_MAX_BYTES:
+            wide, ahead = 0, 0
         if units == 1 and element_stride == element_bytes:
             items = (first.shape[0] + (_GROUP if wide else 4) - 1) // (_GROUP if wide else 4)
             for item in loop(bases.shape[0] * items):
