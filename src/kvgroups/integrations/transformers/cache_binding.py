@@ -20,7 +20,14 @@ from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
-from kvgroups.integrations.transformers.cache_parts import Part, current_value, empty_value, install, read_parts
+from kvgroups.integrations.transformers.cache_parts import (
+    Part,
+    PartRole,
+    current_value,
+    empty_value,
+    install,
+    read_parts,
+)
 from kvgroups.store.prefixes import LoadedEntries
 
 
@@ -125,9 +132,11 @@ class CacheBinding:
         values = {part.name: current_value(part, cache) for part in self.parts}
         return BoundCache([self._transfer(index, values) for index in range(len(self.groups))], computed)
 
-    def restore(self, loaded: LoadedEntries) -> Any:
+    def restore(self, loaded: LoadedEntries, capacity_tokens: int = 0) -> Any:
         """A fresh transformers cache holding the loaded prefix, as if it had been computed: each entry
-        copied once, straight into the cache's tensors."""
+        copied once, straight into the cache's tensors. Layers that keep every token get room for
+        ``capacity_tokens`` in all, so that the forward computing the rest writes it in place
+        (:class:`~.reserved_layers.ReservedDynamicLayer`) rather than copying the prefix again."""
         cache = DynamicCache(config=self.config)
         boundary, chunk_size = loaded.num_tokens, self.metadata.chunk_size
         values: dict[str, Any] = {}
@@ -141,7 +150,11 @@ class CacheBinding:
             else:
                 # What the layers keep at the boundary: every token, or a sliding layer's window.
                 start, end = parts[0].spec.tokens_needed(boundary)
-                fresh = {part.name: empty_value(part, end - start, self.device) for part in parts}
+                # Room only where install() hands the tensors to a layer as they are (a layer's keys and values).
+                reserve = (capacity_tokens > end and parts[0].spec.keeps_every_token
+                           and all(part.role is PartRole.KV for part in parts))
+                room = capacity_tokens if reserve else end - start
+                fresh = {part.name: empty_value(part, room, self.device) for part in parts}
                 _, transfer = self._transfer(group_index, fresh)
                 for chunk, tensor in entries:
                     first = chunk * chunk_size

@@ -41,6 +41,7 @@ from transformers.cache_utils import (
 from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
 from kvgroups.core.layouts import KVLayout
 from kvgroups.errors import UnsupportedCacheError
+from kvgroups.integrations.transformers.reserved_layers import ReservedDynamicLayer
 
 
 class PartRole(enum.Enum):
@@ -130,7 +131,8 @@ def _state_parts(index: int, layer: Any) -> list[Part]:
 # The layer classes whose every tensor is read and restored here. A subclass may keep more (DeepSeek-V4's
 # compressor state, MiniMax-M3's block index keys), so classes are matched exactly.
 KNOWN_LAYERS = (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer, LinearAttentionLayer,
-                LinearAttentionAndFullAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer)
+                LinearAttentionAndFullAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer,
+                ReservedDynamicLayer)
 
 
 def _check_layer(index: int, layer: Any) -> None:
@@ -212,7 +214,13 @@ def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, bounda
         layer = cache.layers[index]
         by_role = {part.role: values[part.name] for part in layer_parts if part.token_indexed}
         if PartRole.KV in by_role:
-            layer.update(*by_role[PartRole.KV])
+            keys, values_ = by_role[PartRole.KV]
+            if keys.shape[-2] <= boundary:  # every token restored, or a window of them
+                layer.update(keys, values_)
+            elif type(layer) is DynamicLayer:  # restored with room for what the next forward computes
+                cache.layers[index] = ReservedDynamicLayer(keys, values_, boundary)
+            else:
+                layer.update(keys[..., :boundary, :], values_[..., :boundary, :])
         if PartRole.KEYS in by_role:
             layer.update(by_role[PartRole.KEYS].unsqueeze(0), by_role[PartRole.VALUES].unsqueeze(0))
         if isinstance(layer, DynamicSlidingWindowLayer):

@@ -118,8 +118,9 @@ class PrefixCache:
         boundary = self.chunk_store.lookup(None, keys=keys[:limit]) if limit else 0
         loaded = self.chunk_store.load_entries(None, boundary, keys=keys) if boundary else \
             LoadedEntries(num_tokens=0, entries={})
-        # Restore.
-        cache = self.binding.restore(loaded) if loaded.num_tokens else DynamicCache(config=self.model.config)
+        # Restore, with room for the prompt's other tokens: the forwards computing them write them in place.
+        cache = self.binding.restore(loaded, capacity_tokens=total) if loaded.num_tokens else \
+            DynamicCache(config=self.model.config)
         position = loaded.num_tokens
         logits = None
         with torch.no_grad():
