@@ -125,7 +125,7 @@ def hit_parts(model: Any, cache: PrefixCache, prompt: torch.Tensor) -> tuple[dic
                for info, value in zip(wanted, values, strict=True) if value is not None}
     parts["check and decode"] = time.perf_counter() - begin
     begin = time.perf_counter()
-    restored = binding.restore(LoadedEntries(num_tokens=boundary, entries=entries))
+    restored = binding.restore(LoadedEntries(num_tokens=boundary, entries=entries), capacity_tokens=len(prompt))
     parts["copy into the model's cache"] = time.perf_counter() - begin
     begin = time.perf_counter()
     with torch.no_grad():
