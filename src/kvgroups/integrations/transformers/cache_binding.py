@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvgroups.core.cache_specs import LayerCacheSpec
 from kvgroups.core.group_keys import layer_key
@@ -150,9 +151,11 @@ class CacheBinding:
             else:
                 # What the layers keep at the boundary: every token, or a sliding layer's window.
                 start, end = parts[0].spec.tokens_needed(boundary)
-                # Room only where install() hands the tensors to a layer as they are (a layer's keys and values).
+                # Room only where install() hands the tensors to a layer as they are: the keys and values
+                # of a plain DynamicLayer (the one class whose updates write into it, ReservedDynamicLayer's).
                 reserve = (capacity_tokens > end and parts[0].spec.keeps_every_token
-                           and all(part.role is PartRole.KV for part in parts))
+                           and all(part.role is PartRole.KV and type(cache.layers[part.layer_index]) is DynamicLayer
+                                   for part in parts))
                 room = capacity_tokens if reserve else end - start
                 fresh = {part.name: empty_value(part, room, self.device) for part in parts}
                 _, transfer = self._transfer(group_index, fresh)

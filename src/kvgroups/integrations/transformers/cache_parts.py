@@ -215,12 +215,10 @@ def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, bounda
         by_role = {part.role: values[part.name] for part in layer_parts if part.token_indexed}
         if PartRole.KV in by_role:
             keys, values_ = by_role[PartRole.KV]
-            if keys.shape[-2] <= boundary:  # every token restored, or a window of them
-                layer.update(keys, values_)
-            elif type(layer) is DynamicLayer:  # restored with room for what the next forward computes
+            if keys.shape[-2] > boundary:  # a DynamicLayer's, restored with room for what the next forward computes
                 cache.layers[index] = ReservedDynamicLayer(keys, values_, boundary)
-            else:
-                layer.update(keys[..., :boundary, :], values_[..., :boundary, :])
+            else:  # every token restored, or a window of them
+                layer.update(keys, values_)
         if PartRole.KEYS in by_role:
             layer.update(by_role[PartRole.KEYS].unsqueeze(0), by_role[PartRole.VALUES].unsqueeze(0))
         if isinstance(layer, DynamicSlidingWindowLayer):

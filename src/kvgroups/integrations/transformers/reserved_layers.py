@@ -29,25 +29,23 @@ class ReservedDynamicLayer(DynamicLayer):  # type: ignore[misc]
         self.device = key_buffer.device
         self.is_initialized = True
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (key_buffer, value_buffer)
-        self._length = length
-        self._hold(length)
+        self._hold(key_buffer, value_buffer, length)
 
-    def _hold(self, length: int) -> None:
-        if self._buffers is None:  # pragma: no cover - only called while reserved
-            return
-        key_buffer, value_buffer = self._buffers
+    def _hold(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
         self.keys, self.values = key_buffer[..., :length, :], value_buffer[..., :length, :]
         self._views = (self.keys, self.values)
-        self._length = length
 
-    def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
-        if self._buffers is None:
-            return False
-        key_buffer, value_buffer = self._buffers
-        # Keys replaced by anything but this layer's own update: the buffers no longer say what it holds.
-        if self.keys is not self._views[0] or self.values is not self._views[1]:
-            return False
-        return (self._length + key_states.shape[-2] <= key_buffer.shape[-2]
+    def _reserved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers while the layer's keys and values are still the views its own updates set; else None
+        (replaced by anything else, the buffers no longer say what it holds)."""
+        if self._buffers is None or self.keys is not self._views[0] or self.values is not self._views[1]:
+            return None
+        return self._buffers
+
+    def _fits(self, buffers: tuple[torch.Tensor, torch.Tensor], key_states: torch.Tensor,
+              value_states: torch.Tensor) -> bool:
+        key_buffer, value_buffer = buffers
+        return (self.keys.shape[-2] + key_states.shape[-2] <= key_buffer.shape[-2]
                 and key_states.shape[-2] == value_states.shape[-2]
                 and key_states.shape[:-2] == key_buffer.shape[:-2] and key_states.shape[-1] == key_buffer.shape[-1]
                 and value_states.shape[:-2] == value_buffer.shape[:-2]
@@ -57,20 +55,21 @@ class ReservedDynamicLayer(DynamicLayer):  # type: ignore[misc]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._fits(key_states, value_states):
+        buffers = self._reserved()
+        if buffers is None or not self._fits(buffers, key_states, value_states):
             self._buffers = None  # from now on a plain DynamicLayer
             return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[no-any-return]
-        key_buffer, value_buffer = self._buffers  # type: ignore[misc]
-        end = self._length + key_states.shape[-2]
+        key_buffer, value_buffer = buffers
+        held = self.keys.shape[-2]
+        end = held + key_states.shape[-2]
         # Behind the tokens held: no tensor handed out before (a view of the first tokens) changes.
-        key_buffer[..., self._length:end, :].copy_(key_states)
-        value_buffer[..., self._length:end, :].copy_(value_states)
-        self._hold(end)
+        key_buffer[..., held:end, :].copy_(key_states)
+        value_buffer[..., held:end, :].copy_(value_states)
+        self._hold(key_buffer, value_buffer, end)
         return self.keys, self.values
 
     @property
     def reserved_tokens(self) -> int:
         """Tokens an update may still write in place (0 once it fell back to ``DynamicLayer``)."""
-        if self._buffers is None or self.keys is not self._views[0] or self.values is not self._views[1]:
-            return 0
-        return self._buffers[0].shape[-2] - self._length
+        buffers = self._reserved()
+        return 0 if buffers is None else buffers[0].shape[-2] - self.keys.shape[-2]
