@@ -72,7 +72,8 @@ def mutate(action: str, caches: dict[str, Any], manager: KVLayerGroupsManager, g
     name = "l1"
     tensor = caches.get(name)
     if tensor is None and action in ("write in place", "set_ to other memory", "resize to another shape",
-                                     "restride in place", "transpose in place", "add a dimension in place"):
+                                     "restride in place", "transpose in place", "add a dimension in place",
+                                     "grow the storage in place", "assign .data"):
         return
     if action == "write in place":
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
@@ -90,6 +91,11 @@ def mutate(action: str, caches: dict[str, Any], manager: KVLayerGroupsManager, g
         tensor.transpose_(3, 4)
     elif action == "add a dimension in place":
         tensor.unsqueeze_(0)
+    elif action == "grow the storage in place":  # the same storage, shape and strides, its memory moved
+        storage = tensor.untyped_storage()
+        storage.resize_(storage.nbytes() * 4)
+    elif action == "assign .data":  # the same tensor object on another tensor's memory
+        tensor.data = torch.randn(SHAPE, generator=generator)
     elif action == "rebuild the dict":
         caches.update(dict(caches))
     elif action == "drop a layer":
@@ -107,7 +113,8 @@ def mutate(action: str, caches: dict[str, Any], manager: KVLayerGroupsManager, g
 
 
 ACTIONS = ["write in place", "replace the tensor", "set_ to other memory", "resize to another shape",
-           "restride in place", "transpose in place", "add a dimension in place", "rebuild the dict",
+           "restride in place", "transpose in place", "add a dimension in place", "grow the storage in place",
+           "assign .data", "rebuild the dict",
            "drop a layer", "restore the layers", "edit a group", "replace the state", "nothing"]
 
 

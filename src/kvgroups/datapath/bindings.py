@@ -5,10 +5,11 @@ copy, so :func:`bound_transfer` keeps the last binding (a
 :class:`~kvgroups.datapath.transfer.KVTransfer`, which it is handed the means to build) on the
 first group it was built for, with what it was built from: each group's identity and
 edit version, the kernel asked for, and per layer tensor a weak reference and its address,
-shape, strides and dtype. A call whose groups and tensors are all still those, unchanged, reuses
-it; anything else (a group edited, a tensor replaced, resized or ``set_`` to other memory, another
-kernel asked for) binds again. Nothing is process-wide, and the binding never keeps a caller's
-caches alive: it holds views of them, and is dropped as soon as a tensor it was built from goes.
+storage, offset, shape, strides and dtype. A call whose groups and tensors are all still those,
+unchanged, reuses it; anything else (a group edited, a tensor replaced, resized, its storage
+grown or ``set_`` to other memory, another kernel asked for) binds again. Nothing is
+process-wide, and the binding never keeps a caller's caches alive: it holds views of them, and is
+dropped as soon as a tensor it was built from goes.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ _TensorRecord = tuple["weakref.ref[torch.Tensor]", int, torch.Size, tuple[int, .
 
 
 _data_ptr = torch.Tensor.data_ptr
-_stride = torch.Tensor.stride
-_shape = operator.attrgetter("shape")
+_is_set_to = torch.Tensor.is_set_to
 _version = operator.attrgetter("_version")
 
 
@@ -51,24 +51,23 @@ class _Binding:
     kernel: str | None  # $KVGROUPS_KERNEL when bound
     layers: list[tuple[str, tuple[_TensorRecord, ...]]] = field(default_factory=list)
     transfer: Any = None
-    # The one-tensor layers: their names, weak references and ids, data_ptr, shape and strides.
+    # The one-tensor layers: their names, weak references and ids, data_ptr, and the aliases bound.
     names: tuple[str, ...] = ()
     references: tuple[weakref.ref[torch.Tensor], ...] = ()  # held: each one's callback drops the binding
     identities: tuple[int, ...] = ()
     pointers: tuple[int, ...] = ()
-    shapes: tuple[torch.Size, ...] = ()
-    strides: tuple[tuple[int, ...], ...] = ()
+    aliases: tuple[torch.Tensor, ...] = ()  # on the same storage, offset, shape and strides as each was
 
-    def seal(self, tensor_layers: set[str]) -> None:
-        """Move the layers whose value is one tensor (``tensor_layers``) into the columns checked together."""
+    def seal(self, tensor_layers: set[str], aliases: Mapping[str, Any]) -> None:
+        """Move the layers whose value is one tensor (``tensor_layers``) into the columns checked together;
+        ``aliases``: what each layer was bound as (:func:`_alias`)."""
         simple = [(name, records[0]) for name, records in self.layers if name in tensor_layers]
         if simple:
             self.names = tuple(name for name, _ in simple)
             self.references = tuple(record[0] for _, record in simple)
             self.identities = tuple(id(reference()) for reference in self.references)
             self.pointers = tuple(record[1] for _, record in simple)
-            self.shapes = tuple(record[2] for _, record in simple)
-            self.strides = tuple(record[3] for _, record in simple)
+            self.aliases = tuple(aliases[name] for name in self.names)
         self.layers = [(name, records) for name, records in self.layers if name not in tensor_layers]
 
     def serves(self, groups: Sequence[KVLayerGroupInfo], kv_caches: Mapping[str, Any]) -> bool:
@@ -83,10 +82,12 @@ class _Binding:
             if len(self.names) == 1:
                 values = (values,)
             # While the binding lives every tensor it was built from does (one going drops it): the same
-            # ids are the same tensors.
-            # (A dtype cannot change but with the memory, the shape or the strides.)
+            # ids are the same tensors, and their dtypes cannot have changed but with their storage.
+            # is_set_to compares storage, offset, shape and strides in one call per tensor (a third
+            # cheaper than reading shapes and strides into Python); data_ptr catches a storage resized
+            # in place, which moves its memory under the same storage.
             if not (tuple(map(id, values)) == self.identities and tuple(map(_data_ptr, values)) == self.pointers
-                    and tuple(map(_shape, values)) == self.shapes and tuple(map(_stride, values)) == self.strides):
+                    and all(map(_is_set_to, values, self.aliases))):
                 return False
         for name, records in self.layers:
             value = kv_caches.get(name)
@@ -129,7 +130,8 @@ def bound_transfer(groups: list[KVLayerGroupInfo], kv_caches: Mapping[str, Any],
         transfer: Bound = kept.transfer
         return transfer
     names = [name for group in groups for name in group.layer_names]
-    transfer = bind(groups, {name: _alias(kv_caches[name]) for name in names if name in kv_caches})
+    aliases = {name: _alias(kv_caches[name]) for name in names if name in kv_caches}
+    transfer = bind(groups, aliases)
     binding = _Binding(groups=tuple((id(group), group._version) for group in groups),
                        kernel=os.environ.get(ENVIRONMENT_VARIABLE))
     drop = partial(_drop, weakref.ref(owner), weakref.ref(binding))
@@ -138,7 +140,7 @@ def bound_transfer(groups: list[KVLayerGroupInfo], kv_caches: Mapping[str, Any],
         binding.layers.append((name, tuple(
             (weakref.ref(tensor, drop), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
             for tensor in ((value,) if isinstance(value, torch.Tensor) else as_tensors(value) or ()))))
-    binding.seal({name for name in names if isinstance(kv_caches[name], torch.Tensor)})
+    binding.seal({name for name in names if isinstance(kv_caches[name], torch.Tensor)}, aliases)
     binding.transfer = transfer
     object.__setattr__(owner, _ATTRIBUTE, binding)
     return transfer
