@@ -41,6 +41,7 @@ from unmeasured import Unmeasured
 PROMPT, SHARED, BIG, CHUNK, BATCH, OUTPUT_TOKENS = 2048, 1792, 8192, 256, 12, 8
 OFF = {"kvgroups": {"load": False, "save": False}}
 KV_BYTES_PER_TOKEN = 8 * 2 * 512 * 4  # layers x (K, V) x 8 KV heads of 64 x float32
+PAUSE_SECONDS = 0.25  # between two engines' turns: the one that ran lets go of the cores (OpenMP threads spin a while)
 
 
 def tokens(seed: int, count: int) -> list[int]:
@@ -168,11 +169,13 @@ def engine_run(model: str, store: str | None, rounds: int, out: str, extra_confi
     Path(out).write_text(json.dumps(results))
 
 
-def hits_run(model: str, store: str, rounds: int, out: str, extra_config: dict[str, Any]) -> None:
-    """In a fresh process: an engine with vLLM's prefix cache on and the connector; per round, interleaved,
-    the TTFT of a 2048-token prompt whose first 1792 tokens come from the store (vLLM's own cache
-    emptied first, the store holding them), from vLLM's own prefix cache (the same prefix again),
-    and computed (a fresh prompt, the connector off for it)."""
+def hits_run(model: str, store: str, extra_config: dict[str, Any], commands_fd: int, results_fd: int) -> None:
+    """In a fresh process: an engine with vLLM's prefix cache on and the connector, which runs a round each time
+    the parent asks (a line on ``commands_fd``) and answers with its times (a JSON line on ``results_fd``).
+
+    A round times the first token of a 2048-token prompt whose first 1792 tokens come from the store
+    (vLLM's own cache emptied first, the store holding them), from vLLM's own prefix cache (the same
+    prefix again), and computed (a fresh prompt, the connector off for it)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -193,57 +196,133 @@ def hits_run(model: str, store: str, rounds: int, out: str, extra_config: dict[s
         (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         return time.perf_counter() - begin, int(output.num_cached_tokens or 0)
 
-    results: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
     ttft(tokens(next(fresh), PROMPT), OFF)  # warm-up
-    for round_ in range(rounds):
-        shared = tokens(10 + round_, SHARED)
-        ttft(shared + tokens(next(fresh), PROMPT - SHARED))  # computed and stored
-        llm.collective_rpc(flush_saves)
-        llm.reset_prefix_cache()  # vLLM's own cache forgets it: only the store holds the prefix now
-        prompts = {"store hit": (shared + tokens(next(fresh), PROMPT - SHARED), None),
-                   "vLLM prefix cache": (shared + tokens(next(fresh), PROMPT - SHARED), None),
-                   "computed": (tokens(next(fresh), PROMPT), OFF)}
-        # The store hit must come first (it fills vLLM's cache); the computed one is run before or after it.
-        order = ["store hit", "vLLM prefix cache", "computed"] if round_ % 2 else \
-            ["computed", "store hit", "vLLM prefix cache"]
-        for name in order:
-            results[name].append(ttft(*prompts[name]))
-    Path(out).write_text(json.dumps(results))
+    with os.fdopen(commands_fd) as commands, os.fdopen(results_fd, "w") as results:
+        results.write("ready\n")
+        results.flush()
+        for line in commands:
+            round_ = int(line)
+            shared = tokens(10 + round_, SHARED)
+            ttft(shared + tokens(next(fresh), PROMPT - SHARED))  # computed and stored
+            llm.collective_rpc(flush_saves)
+            llm.reset_prefix_cache()  # vLLM's own cache forgets it: only the store holds the prefix now
+            prompts = {"store hit": (shared + tokens(next(fresh), PROMPT - SHARED), None),
+                       "vLLM prefix cache": (shared + tokens(next(fresh), PROMPT - SHARED), None),
+                       "computed": (tokens(next(fresh), PROMPT), OFF)}
+            # The store hit must come first (it fills vLLM's cache); the computed one is run before or after it.
+            order = ["store hit", "vLLM prefix cache", "computed"] if round_ % 2 else \
+                ["computed", "store hit", "vLLM prefix cache"]
+            results.write(json.dumps({name: ttft(*prompts[name]) for name in order}) + "\n")
+            results.flush()
+
+
+class HitsEngine:
+    """One ``--hits`` engine in a process of its own, running a round whenever :meth:`round` asks for one."""
+
+    def __init__(self, model: str, store: str, directory: Path, name: str, extra_config: dict[str, Any]) -> None:
+        self.name = name
+        commands_read, self._commands = os.pipe()
+        self._results, results_write = os.pipe()
+        self.log = directory / f"{name}.log"
+        command = [sys.executable, __file__, "--engine", "--hits", "--model", model, "--store", store,
+                   "--extra-config", json.dumps(extra_config), "--commands-fd", str(commands_read),
+                   "--results-fd", str(results_write)]
+        with self.log.open("w") as log:  # a file, not a pipe: nobody reads vLLM's logs while it runs
+            self.process = subprocess.Popen(command, env=engine_environment(), stdout=log, stderr=log,
+                                            pass_fds=(commands_read, results_write))
+        os.close(commands_read)
+        os.close(results_write)
+        self._answers = os.fdopen(self._results)
+        self._asks = os.fdopen(self._commands, "w")
+
+    def _answer(self) -> str:
+        line = self._answers.readline()
+        if not line:  # the engine ended: a row saying why, and exit 1
+            self.process.wait()
+            lines = [each for each in self.log.read_text(errors="replace").splitlines() if each.strip()]
+            print(f"the {self.name} engine failed:\n" + "\n".join(lines[-60:]), file=sys.stderr)
+            unmeasured = Unmeasured()
+            print("| engine | result |\n|---|---|\n" + unmeasured.row(
+                self.name, f"exited {self.process.returncode}: {lines[-1] if lines else 'no output'}"))
+            unmeasured.exit()
+        return line
+
+    def ready(self) -> None:
+        self._answer()
+
+    def round(self, round_: int) -> dict[str, list[float]]:
+        self._asks.write(f"{round_}\n")
+        self._asks.flush()
+        answer: dict[str, list[float]] = json.loads(self._answer())
+        return answer
+
+    def close(self) -> None:
+        self._asks.close()
+        self.process.wait()
+        self._answers.close()
+
+
+def interleaved_hits(model: str, directory: Path, rounds: int) -> dict[str, dict[str, list[list[float]]]]:
+    """Both load modes' engines started side by side, then driven round by round, the modes' order alternating
+    (one computes while the other waits on its pipe), so that their rounds pair up."""
+    modes = ("async", "sync")
+    engines = {mode: HitsEngine(model, f"file://{directory}/kv-{mode}", directory, f"hits-{mode}",
+                                {"load_mode": mode}) for mode in modes}
+    by_mode: dict[str, dict[str, list[list[float]]]] = {mode: collections.defaultdict(list) for mode in modes}
+    try:
+        for engine in engines.values():
+            engine.ready()
+        for round_ in range(rounds):
+            for mode in modes if round_ % 2 == 0 else modes[::-1]:
+                time.sleep(PAUSE_SECONDS)
+                for name, value in engines[mode].round(round_).items():
+                    by_mode[mode][name].append(value)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return by_mode
 
 
 def report_hits(by_mode: dict[str, dict[str, list[list[float]]]], rounds: int) -> None:
     print(f"vLLM CPU engine, llama-like model, block 128, vLLM's prefix cache on; a 2048-token prompt, 1792 tokens "
-          f"cached; medians of {rounds} rounds per engine (each load mode in an engine of its own)\n")
+          f"cached; medians of {rounds} rounds; an engine per load mode, the two running side by side, a round "
+          f"of each in turn\n")
     print("| load mode | served from | TTFT s | cached tokens | vs vLLM's prefix cache (paired) | "
-          "vs computed (paired) |")
-    print("|---|---|---|---|---|---|")
+          "vs computed (paired) | vs the synchronous load's (paired) |")
+    print("|---|---|---|---|---|---|---|")
     for mode, results in by_mode.items():
         local = [seconds for seconds, _ in results["vLLM prefix cache"]]
         computed = [seconds for seconds, _ in results["computed"]]
         for name in ("store hit", "vLLM prefix cache", "computed"):
             runs = results[name]
             seconds = [value for value, _ in runs]
+            synchronous = [value for value, _ in by_mode["sync"][name]]
             vs_local = median([value / base for value, base in zip(seconds, local, strict=True)])
             vs_computed = median([value / base for value, base in zip(seconds, computed, strict=True)])
+            vs_sync = median([value / base for value, base in zip(seconds, synchronous, strict=True)])
             print(f"| {mode} | {name} | {median(seconds):.3f} | {median([cached for _, cached in runs]):.0f} | "
-                  f"{vs_local:.2f}x | {vs_computed:.2f}x |")
+                  f"{vs_local:.2f}x | {vs_computed:.2f}x | {vs_sync:.2f}x |")
+
+
+def engine_environment() -> dict[str, str]:
+    """An engine's environment: in-process (vLLM's own processes would hold on to the caches), 4 GiB of KV."""
+    source = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
 
 
 def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str,
-          extra_config: dict[str, Any], kv_events: bool = False, hits: bool = False) -> dict[str, Any]:
+          extra_config: dict[str, Any], kv_events: bool = False) -> dict[str, Any]:
     out = directory / f"{name}.json"
     command = [sys.executable, __file__, "--engine", "--model", model, "--rounds", str(rounds), "--out", str(out),
-               "--extra-config", json.dumps(extra_config)] + (["--hits"] if hits else [])
+               "--extra-config", json.dumps(extra_config)]
     if kv_events:
         command += ["--kv-events", f"ipc://{directory}/{name}-kv-events"]
     if store is not None:
         command += ["--store", store]
-    source = str(Path(__file__).resolve().parents[1] / "src")
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
-                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-                   "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               check=False)
+    completed = subprocess.run(command, env=engine_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, check=False)
     if completed.returncode:
         # Nothing of this benchmark can be measured without its engines: a row saying why, and exit 1.
         print(f"the {name} engine failed:\n{completed.stderr[-6000:]}", file=sys.stderr)
@@ -310,15 +389,17 @@ def main() -> None:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--extra-config", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--commands-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--results-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--kv-events", nargs="?", const="on", default=None,
                         help="the connector's engine publishes vLLM's KV events (over ZMQ, to a socket nobody reads)")
     parser.add_argument("--hits", action="store_true",
-                        help="only a store hit (loaded asynchronously, then synchronously) against vLLM's own prefix "
-                             "cache serving the same tokens")
+                        help="only a store hit (loaded asynchronously and synchronously, an engine each, side by "
+                             "side) against vLLM's own prefix cache serving the same tokens")
     args = parser.parse_args()
     if args.engine:
         if args.hits:
-            hits_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config))
+            hits_run(args.model, args.store, json.loads(args.extra_config), args.commands_fd, args.results_fd)
         else:
             engine_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config), args.kv_events)
         return
@@ -332,9 +413,7 @@ def main() -> None:
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
         if args.hits:
-            report_hits({mode: spawn(str(model), f"file://{directory}/kv-{mode}", args.rounds, directory,
-                                     f"hits-{mode}", {"load_mode": mode}, hits=True)
-                         for mode in ("async", "sync")}, args.rounds)
+            report_hits(interleaved_hits(str(model), directory, args.rounds), args.rounds)
             return
         connector = spawn(str(model), f"file://{directory}/kv", args.rounds, directory, "connector",
                           {"load_mode": args.load_mode}, kv_events=args.kv_events is not None)
