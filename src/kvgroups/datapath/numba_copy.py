@@ -39,7 +39,8 @@ def run_parallel(kernel: Any, arguments: tuple[Any, ...], threads: int) -> None:
     """``kernel(*arguments)`` on ``threads`` threads (at most numba's), one parallel kernel at a time, leaving
     torch's thread count as the caller set it.
 
-    numba's OpenMP threading layer shares libgomp with torch: launching a parallel kernel sets the
+    Where numba's OpenMP threading layer shares one libgomp with torch (vLLM preloads torch's; a plain
+    environment loads the system's for numba beside torch's own), launching a parallel kernel sets the
     calling thread's OpenMP thread count, which is the one torch reads, so a caller that pinned torch
     to one thread would find its ops on every core afterwards. numba's own count is set only when it
     changes (it is the calling thread's, and only this function sets it): after a copy has evicted the
