@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -237,27 +238,23 @@ class HitsEngine:
 
     def _answer(self) -> str:
         line = self._answers.readline()
-        if not line:  # the engine ended: a row saying why, and exit 1
-            self.process.wait()
-            lines = [each for each in self.log.read_text(errors="replace").splitlines() if each.strip()]
-            print(f"the {self.name} engine failed:\n" + "\n".join(lines[-60:]), file=sys.stderr)
-            unmeasured = Unmeasured()
-            print("| engine | result |\n|---|---|\n" + unmeasured.row(
-                self.name, f"exited {self.process.returncode}: {lines[-1] if lines else 'no output'}"))
-            unmeasured.exit()
+        if not line:  # the engine ended
+            engine_failed(self.name, self.process.wait(), self.log.read_text(errors="replace"))
         return line
 
     def ready(self) -> None:
         self._answer()
 
     def round(self, round_: int) -> dict[str, list[float]]:
-        self._asks.write(f"{round_}\n")
-        self._asks.flush()
+        with contextlib.suppress(BrokenPipeError):  # an engine that ended is reported by _answer, with why
+            self._asks.write(f"{round_}\n")
+            self._asks.flush()
         answer: dict[str, list[float]] = json.loads(self._answer())
         return answer
 
     def close(self) -> None:
-        self._asks.close()
+        with contextlib.suppress(BrokenPipeError):  # a command it never read, if it ended
+            self._asks.close()
         self.process.wait()
         self._answers.close()
 
@@ -324,14 +321,19 @@ def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str
     completed = subprocess.run(command, env=engine_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, check=False)
     if completed.returncode:
-        # Nothing of this benchmark can be measured without its engines: a row saying why, and exit 1.
-        print(f"the {name} engine failed:\n{completed.stderr[-6000:]}", file=sys.stderr)
-        lines = [line for line in completed.stderr.splitlines() if line.strip()] or ["no output"]
-        unmeasured = Unmeasured()
-        print("| engine | result |\n|---|---|\n" + unmeasured.row(name, f"exited {completed.returncode}: {lines[-1]}"))
-        unmeasured.exit()
+        engine_failed(name, completed.returncode, completed.stderr)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+def engine_failed(name: str, returncode: int, output: str) -> None:
+    """Nothing of this benchmark can be measured without its engines: the end of what the engine printed (on
+    stderr), a row saying why, and exit 1."""
+    print(f"the {name} engine failed:\n{output[-6000:]}", file=sys.stderr)
+    lines = [line for line in output.splitlines() if line.strip()] or ["no output"]
+    unmeasured = Unmeasured()
+    print("| engine | result |\n|---|---|\n" + unmeasured.row(name, f"exited {returncode}: {lines[-1]}"))
+    unmeasured.exit()
 
 
 def median(values: list[float]) -> float:
