@@ -23,8 +23,9 @@ server's resident memory, threads and open files flat (the last quarter's median
 second quarter's, over the longest run of a server killed and started again; the file store's
 shard directories, which it keeps open as it first touches each, counted apart: at most 256 a
 process, and a scan's one more); the stores within their budgets; the connector's loaded tokens on
-``/metrics`` no more than the tokens vLLM reports served from its external cache. A broken
-invariant fails the run (exit 1).
+``/metrics`` no more than the tokens vLLM reports served from its external cache, in every start of
+a server (sampled as it runs: a restarted server's counters start again), and more than none over
+the run. A broken invariant fails the run (exit 1).
 
 Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
 minutes, every fault three times); ``--quick`` runs every fault once in about 6 minutes (what
@@ -55,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
-from benchmarks.soak_report import EXTERNAL_HITS, TIE_LOGPROB, Outcome, SoakReport, counter  # noqa: E402
+from benchmarks.soak_report import CONNECTOR_COUNTERS, TIE_LOGPROB, Outcome, SoakReport, counter  # noqa: E402
 from tests.servers import free_port, running_cluster  # noqa: E402
 
 CHUNK = 64
@@ -277,7 +278,7 @@ class Soak:
                 sample.update(incarnation=server.incarnation, tier_bytes=directory_bytes(tiers[name] / "kv"))
                 with contextlib.suppress(OSError, ValueError):
                     found = server.metrics()
-                    sample["external_hits"] = counter(found, EXTERNAL_HITS)
+                    sample["connector"] = {kind: counter(found, metric) for kind, metric in CONNECTOR_COUNTERS.items()}
                 self.samples.setdefault(name, []).append(sample)
         used = []
         # A stopped node does not answer (nor, while the topology is moving, may another): skip it this time.

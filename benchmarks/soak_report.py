@@ -24,6 +24,12 @@ RECOVERY_REQUESTS = 40  # hits must be back starting among this many requests af
 RECOVERY_WINDOW = 8  # requests in a row that must be served from caches as before the faults
 LOADED = "vllm:kvgroups_loaded_tokens_total"  # the connector's, per server
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's: what it was promised from the store
+# What each start of a server counted on its /metrics, sampled as it runs (``connector`` in a sample):
+# a restarted server's counters start again, and its last start may serve only the run's tail.
+CONNECTOR_COUNTERS = {"loaded": LOADED, "external hits": EXTERNAL_HITS,
+                      "failed reads": "vllm:kvgroups_failed_reads_total",
+                      "corrupt entries": "vllm:kvgroups_corrupt_entries_total",
+                      "tier errors": "vllm:kvgroups_errors_total"}
 GROWTH_FLOOR = {"rss": 32 << 20, "threads": 4, "files": 16}  # growth within these is not a leak
 # The file store keeps each of its fan-out directories open once it has touched it: a cache that fills
 # (over minutes in the quick run), counted apart from the files that must stay flat, and bounded. A scan
@@ -75,6 +81,7 @@ class SoakReport:
         self.arguments, self.timeout, self.sampler_errors = arguments, arguments.timeout, sampler_errors
         self.tier_budget_bytes, self.cluster_maxmemory = tier_budget_bytes, cluster_maxmemory
         self.cached_seen: dict[str, tuple[int, float]] = {}  # server: (clients' cached tokens, /metrics')
+        self.connector_seen: dict[str, dict[int, dict[str, float]]] = {}  # server: start: CONNECTOR_COUNTERS
         self.interrupted_at = interrupted_at
 
     def write(self, metrics: dict[str, dict[str, float]]) -> int:
@@ -138,7 +145,9 @@ class SoakReport:
                             f"{referenced[0].reference_cached_tokens} tokens from a cache")
         for name, found in metrics.items():
             # What the clients of the server's last start saw served from caches, against its counter.
-            last = max((outcome.incarnation for outcome in outcomes if outcome.server == name), default=0)
+            # (A start that answered nothing yet is still the last: its samples say it ran.)
+            last = max([outcome.incarnation for outcome in outcomes if outcome.server == name]
+                       + [sample["incarnation"] for sample in self.samples.get(name, [])], default=0)
             seen = sum(outcome.cached_tokens for outcome in outcomes
                        if outcome.server == name and outcome.ok and outcome.incarnation == last)
             counted = counter(found, "vllm:prompt_tokens_cached_total")
@@ -146,12 +155,20 @@ class SoakReport:
             if seen != counted:
                 problems.append(f"{name}: its clients saw {seen} prompt tokens served from caches, /metrics counted "
                                 f"{counted:.0f}")
-            loaded, external = counter(found, LOADED), counter(found, EXTERNAL_HITS)
-            if not loaded:
-                problems.append(f"{name}: the connector loaded nothing from the store: the run did not test it")
-            if loaded > external:
-                problems.append(f"{name}: /metrics says the connector loaded {loaded:.0f} tokens, more than the "
-                                f"{external:.0f} vLLM served from its external cache")
+            starts = self.connector_counts(name, found, last)
+            if not sum(counts["loaded"] for counts in starts.values()):
+                problems.append(f"{name}: the connector loaded nothing from the store in {len(starts)} start(s) of "
+                                f"its server: the run did not test it")
+            # Every reading, not only each start's last: a counter that ran ahead and was caught up shows too
+            # (each start's first such reading is the one reported).
+            readings = [(sample["incarnation"], sample["connector"]) for sample in self.samples.get(name, [])
+                        if "connector" in sample] + [(last, starts[last])]
+            ahead = {start: counts for start, counts in reversed(readings)
+                     if counts["loaded"] > counts["external hits"]}
+            for start, counts in sorted(ahead.items()):
+                problems.append(f"{name}, start {start}: /metrics says the connector loaded "
+                                f"{counts['loaded']:.0f} tokens, more than the {counts['external hits']:.0f} "
+                                f"vLLM served from its external cache")
         kinds = by_fault(rows)
         self._print(rows, kinds, outcomes, flat, metrics, steady_share)
         slowest = sorted(relative, key=lambda item: -item[1].seconds)[:10]
@@ -165,7 +182,10 @@ class SoakReport:
                   "killed server's": sum(outcome.server_down for outcome in outcomes), "differ": differs_total,
                   "ties": sum(outcome.tie for outcome in outcomes), "flat": flat, "problems": problems,
                   "steady cached share": steady_share, "minutes": self.arguments.minutes,
-                  "cached tokens (clients, /metrics)": self.cached_seen, "samples lost": self.sampler_errors}
+                  "cached tokens (clients, /metrics)": self.cached_seen,
+                  "connector per start": {name: {str(start): counts for start, counts in starts.items()}
+                                          for name, starts in self.connector_seen.items()},
+                  "samples lost": self.sampler_errors}
         Path(self.arguments.json).write_text(json.dumps(result, indent=2))
         for problem in problems:
             print(f"BROKEN: {problem}", file=sys.stderr)
@@ -178,12 +198,24 @@ class SoakReport:
         for name, samples in self.samples.items():
             if name == "cluster":
                 continue
-            inside = [sample for sample in samples if "external_hits" in sample
+            inside = [sample for sample in samples if "connector" in sample
                       and start <= sample["time"] - self.start <= end]
             for before, after in itertools.pairwise(inside):
                 if before["incarnation"] == after["incarnation"]:
-                    total += max(0.0, after["external_hits"] - before["external_hits"])
+                    total += max(0.0, after["connector"]["external hits"] - before["connector"]["external hits"])
         return int(total)
+
+    def connector_counts(self, name: str, final: dict[str, float], last: int) -> dict[int, dict[str, float]]:
+        """Per start of server ``name``, its :data:`CONNECTOR_COUNTERS`: an earlier start's as last sampled
+        (what a killed server counted after its last sample is lost), the last start's from ``final``, its
+        /metrics at the end."""
+        starts: dict[int, dict[str, float]] = {}
+        for sample in self.samples.get(name, []):  # in time order: a start's later samples replace its earlier
+            if "connector" in sample:
+                starts[sample["incarnation"]] = dict(sample["connector"])
+        starts[last] = {kind: counter(final, metric) for kind, metric in CONNECTOR_COUNTERS.items()}
+        self.connector_seen[name] = dict(sorted(starts.items()))
+        return self.connector_seen[name]
 
     def _flatness(self, problems: list[str]) -> dict[str, dict[str, float]]:
         """Per server (its longest run, when it ran long enough), the last quarter's median of each
@@ -245,11 +277,12 @@ class SoakReport:
             print(f"\n{name}: last quarter / second quarter: " + ", ".join(
                 f"{kind} {growth[kind]:.3f}x ({growth[kind + ' added']:+.0f})" for kind in GROWTH_FLOOR)
                 + f"; shard directories open at most {self._most_shards(name)} in a process")
-        for name, found in metrics.items():
-            loaded, external = counter(found, LOADED), counter(found, EXTERNAL_HITS)
+        for name, starts in self.connector_seen.items():
             seen, counted = self.cached_seen.get(name, (0, 0.0))
-            print(f"{name}: /metrics: connector loaded {loaded:.0f} tokens; vLLM's external-cache hits {external:.0f}; "
-                  f"cached prompt tokens {counted:.0f}, its clients saw {seen}")
+            print(f"{name}: /metrics, per start of its server: " + "; ".join(
+                f"start {start}: " + ", ".join(f"{kind} {value:.0f}" for kind, value in counts.items())
+                for start, counts in starts.items())
+                + f"; its last start's cached prompt tokens {counted:.0f}, its clients saw {seen}")
         if self.sampler_errors:
             print(f"{len(self.sampler_errors)} samples lost: {self.sampler_errors[0]}")
 

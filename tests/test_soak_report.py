@@ -24,9 +24,16 @@ def steady_run(tmp_path: Path) -> tuple[list[Outcome], dict[str, list[dict[str, 
     outcomes = [Outcome("llama", started=float(at), seconds=0.2, ok=True, prompt_tokens=400,
                         cached_tokens=0 if 30 <= at < 40 else 300, incarnation=1) for at in range(80)]
     samples = {"llama": [{"time": float(at), "incarnation": 1, "rss": 1000, "threads": 10, "files": 20,
-                          "tier_bytes": 100, "external_hits": at * 10.0} for at in range(0, 80, 4)],
+                          "tier_bytes": 100, "connector": counts(loaded=at * 8.0, external=at * 10.0)}
+                         for at in range(0, 80, 4)],
                "cluster": [{"time": 1.0, "used": 10}]}
     return outcomes, samples
+
+
+def counts(loaded: float, external: float) -> dict[str, float]:
+    """A sample's connector counters (benchmarks.soak_report.CONNECTOR_COUNTERS)."""
+    return {"loaded": loaded, "external hits": external, "failed reads": 0.0, "corrupt entries": 0.0,
+            "tier errors": 0.0}
 
 
 def write(tmp_path: Path, outcomes: list[Outcome], samples: dict[str, list[dict[str, Any]]],
@@ -122,8 +129,56 @@ def test_resources_count_a_stores_shard_directories_apart(tmp_path: Path) -> Non
 
 def test_a_run_whose_store_served_nothing_fails(tmp_path: Path) -> None:
     outcomes, samples = steady_run(tmp_path)
+    for sample in samples["llama"]:
+        sample["connector"] = counts(loaded=0.0, external=0.0)
     result = write(tmp_path, outcomes, samples, {"llama": {"vllm:prompt_tokens_cached_total{}": 21000.0}})
-    assert result["problems"] == ["llama: the connector loaded nothing from the store: the run did not test it"]
+    assert result["problems"] == [
+        "llama: the connector loaded nothing from the store in 1 start(s) of its server: the run did not test it"]
+
+
+def killed_at_60_s(tmp_path: Path) -> tuple[list[Outcome], dict[str, list[dict[str, Any]]]]:
+    """The steady run with its server killed at 60 s and started again: requests and samples after it are
+    the second start's, whose counters started again."""
+    outcomes, samples = steady_run(tmp_path)
+    for outcome in outcomes[60:]:
+        outcome.incarnation = 2
+    for sample in samples["llama"]:
+        if sample["time"] >= 60:
+            sample.update(incarnation=2, connector=counts(loaded=0.0, external=0.0))
+    return outcomes, samples
+
+
+def test_what_a_killed_server_loaded_counts_when_its_last_start_loaded_nothing(tmp_path: Path) -> None:
+    # Seen in CI: the llama server started again for the run's last 40 s, whose one store hit (256 tokens)
+    # was not loaded; its first start had loaded thousands. The run tested the connector.
+    outcomes, samples = killed_at_60_s(tmp_path)
+    cached = sum(outcome.cached_tokens for outcome in outcomes[60:])
+    result = write(tmp_path, outcomes, samples, {"llama": {
+        "vllm:prompt_tokens_cached_total{}": float(cached), "vllm:external_prefix_cache_hits_total{}": 256.0,
+        "vllm:kvgroups_failed_reads_total{}": 1.0}})
+    assert result["problems"] == []
+    assert result["connector per start"]["llama"] == {
+        "1": counts(loaded=448.0, external=560.0),  # its last sample, at 56 s
+        "2": {**counts(loaded=0.0, external=256.0), "failed reads": 1.0}}
+    for sample in samples["llama"]:
+        sample["connector"] = counts(loaded=0.0, external=0.0)
+    result = write(tmp_path, outcomes, samples, {"llama": {
+        "vllm:prompt_tokens_cached_total{}": float(cached), "vllm:external_prefix_cache_hits_total{}": 256.0}})
+    assert result["problems"] == [
+        "llama: the connector loaded nothing from the store in 2 start(s) of its server: the run did not test it"]
+
+
+def test_an_earlier_start_that_loaded_more_than_vllm_was_promised_fails_the_run(tmp_path: Path) -> None:
+    outcomes, samples = killed_at_60_s(tmp_path)
+    # At 20 and 24 s: caught up by its last sample (56 s), still a broken invariant, reported at its first.
+    samples["llama"][5]["connector"] = counts(loaded=300.0, external=200.0)
+    samples["llama"][6]["connector"] = counts(loaded=330.0, external=240.0)
+    cached = sum(outcome.cached_tokens for outcome in outcomes[60:])
+    result = write(tmp_path, outcomes, samples, {"llama": {"vllm:prompt_tokens_cached_total{}": float(cached),
+                                                           **LOADED}})
+    assert result["problems"] == [
+        "llama, start 1: /metrics says the connector loaded 300 tokens, more than the 200 vLLM served from its "
+        "external cache"]
 
 
 def test_metrics_that_disagree_with_the_clients_fail_the_run(tmp_path: Path) -> None:
@@ -133,7 +188,8 @@ def test_metrics_that_disagree_with_the_clients_fail_the_run(tmp_path: Path) -> 
         "vllm:external_prefix_cache_hits_total{}": 5.0}})
     assert result["problems"] == [
         "llama: its clients saw 21000 prompt tokens served from caches, /metrics counted 1",
-        "llama: /metrics says the connector loaded 9 tokens, more than the 5 vLLM served from its external cache"]
+        "llama, start 1: /metrics says the connector loaded 9 tokens, more than the 5 vLLM served from its "
+        "external cache"]
 
 
 def test_a_killed_servers_requests_are_counted_apart(tmp_path: Path) -> None:
