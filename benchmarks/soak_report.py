@@ -27,6 +27,7 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # vLLM's: what it was p
 # What each start of a server counted on its /metrics, sampled as it runs (``connector`` in a sample):
 # a restarted server's counters start again, and its last start may serve only the run's tail.
 CONNECTOR_COUNTERS = {"loaded": LOADED, "external hits": EXTERNAL_HITS,
+                      "short loads": "vllm:kvgroups_short_loads_total",
                       "failed reads": "vllm:kvgroups_failed_reads_total",
                       "corrupt entries": "vllm:kvgroups_corrupt_entries_total",
                       "tier errors": "vllm:kvgroups_errors_total"}

@@ -240,6 +240,8 @@ def test_a_value_under_the_wrong_key_is_never_served(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING):
         loaded = store.load(tokens_a, 16)
     assert loaded.num_tokens == 8  # ...but the wrong value is refused, and the shorter prefix served
+    assert (store.stats.loads, store.stats.loaded_tokens, store.stats.short_loads) == (1, 8, 1)
+    assert store.load(tokens_a, 8).num_tokens == 8 and store.stats.short_loads == 1  # all it asked for
     assert "is corrupt" in caplog.text and "key" in caplog.text
     assert torch.equal(loaded.groups[0].tensor, chunk_tensors(store, tokens_a, 0)[0])
     assert not shared.contains(key_a)

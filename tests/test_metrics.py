@@ -93,7 +93,7 @@ def test_every_counter_and_histogram_counts_the_workload_exactly(tier: str, tmp_
         served_by = "file" if tier == "memory+file" else tier
         assert stats.hit_tokens_by_tier == {served_by: 3 * CHUNK}
         # One load of B's 3 chunks.
-        assert (stats.loads, stats.loaded_tokens) == (1, 3 * CHUNK)
+        assert (stats.loads, stats.loaded_tokens, stats.short_loads) == (1, 3 * CHUNK, 0)
         assert stats.bytes_read == read_bytes and stats.load_bytes == sum(read_bytes)
         # Saved: A's 4 chunks, B's 4th, C's 4; each chunk an entry per group.
         assert stats.saved_chunks == 9 and stats.save_bytes == 9 * sum(entry_bytes)
@@ -162,6 +162,7 @@ def test_errors_are_counted_by_kind_on_the_tier_that_failed(tmp_path: Path) -> N
         store.store.put(victim, bytes(value))
         assert store.load(TOKENS, store.lookup(TOKENS)).num_tokens == 0
         assert store.stats.corrupt_entries == 1 and store.stats.tiers[0].errors["corrupt"] == 1
+        assert (store.stats.loads, store.stats.short_loads) == (1, 1)  # asked for what the lookup found: got none
     # too_large: a memory tier smaller than an entry in front of a file tier refuses every save.
     small = MemoryStore(max_bytes=64)
     with KVChunkStore(metadata, TieredStore([small, FileStore(tmp_path / "kv")])) as store:

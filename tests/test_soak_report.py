@@ -32,8 +32,8 @@ def steady_run(tmp_path: Path) -> tuple[list[Outcome], dict[str, list[dict[str, 
 
 def counts(loaded: float, external: float) -> dict[str, float]:
     """A sample's connector counters (benchmarks.soak_report.CONNECTOR_COUNTERS)."""
-    return {"loaded": loaded, "external hits": external, "failed reads": 0.0, "corrupt entries": 0.0,
-            "tier errors": 0.0}
+    return {"loaded": loaded, "external hits": external, "short loads": 0.0, "failed reads": 0.0,
+            "corrupt entries": 0.0, "tier errors": 0.0}
 
 
 def write(tmp_path: Path, outcomes: list[Outcome], samples: dict[str, list[dict[str, Any]]],
@@ -155,11 +155,11 @@ def test_what_a_killed_server_loaded_counts_when_its_last_start_loaded_nothing(t
     cached = sum(outcome.cached_tokens for outcome in outcomes[60:])
     result = write(tmp_path, outcomes, samples, {"llama": {
         "vllm:prompt_tokens_cached_total{}": float(cached), "vllm:external_prefix_cache_hits_total{}": 256.0,
-        "vllm:kvgroups_failed_reads_total{}": 1.0}})
+        "vllm:kvgroups_short_loads_total{}": 1.0}})
     assert result["problems"] == []
     assert result["connector per start"]["llama"] == {
         "1": counts(loaded=448.0, external=560.0),  # its last sample, at 56 s
-        "2": {**counts(loaded=0.0, external=256.0), "failed reads": 1.0}}
+        "2": {**counts(loaded=0.0, external=256.0), "short loads": 1.0}}
     for sample in samples["llama"]:
         sample["connector"] = counts(loaded=0.0, external=0.0)
     result = write(tmp_path, outcomes, samples, {"llama": {

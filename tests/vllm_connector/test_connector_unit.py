@@ -184,6 +184,7 @@ def test_a_corrupt_entry_found_by_the_load_recomputes_the_request_once(gemma3_di
     assert steps[0].finished_loads == steps[0].failed_loads == {"reuse"}
     assert computed == 0 and steps[-1].output.num_scheduled_tokens["reuse"] == 100
     assert second.side.store is not None and second.side.store.stats.corrupt_entries == 1
+    assert (second.side.store.stats.short_loads, second.side.store.stats.loaded_tokens) == (1, 0)
     steps += harness.run(second)
     assert [plan.request_id for step in steps for plan in step.metadata.loads] == ["reuse"]  # never offered again
     assert not harness.scheduler.requests  # finished, its blocks freed

@@ -178,7 +178,7 @@ def test_vllm_serve_reuses_a_prefix_and_reports_it(tmp_path: Path, gemma3_dir: P
     entries = FileStore(store_dir, create=False)
     assert value(lines, "vllm:kvgroups_save_bytes_total") == sum(entries.size_of(key) or 0
                                                                  for key in entries.iter_keys())
-    for name in ("failed_reads", "failed_saves", "corrupt_entries"):
+    for name in ("short_loads", "failed_reads", "failed_saves", "corrupt_entries"):
         assert value(lines, f"vllm:kvgroups_{name}_total") == 0
     # vLLM's own counters of the hit, by source: the file tier is a disk.
     assert value(lines, "vllm:external_prefix_cache_queries_total") == 3 * (5 * CHUNK - 20) + 10

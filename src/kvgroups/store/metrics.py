@@ -95,6 +95,9 @@ class StoreMetrics:
     lookup_seconds: Histogram = field(default_factory=Histogram)
     loads: int = 0  # prefixes loaded or verified (read, checked, decoded)
     loaded_tokens: int = 0
+    # Loads that restored fewer tokens than asked: an entry gone, corrupt or unreadable since the lookup
+    # promised it (a vLLM worker's load then restores none, and vLLM recomputes the request).
+    short_loads: int = 0
     load_seconds: Histogram = field(default_factory=Histogram)
     bytes_read: list[int] = field(default_factory=list)  # entry bytes read and checked, per group
     saved_chunks: int = 0  # chunks written (one entry per group the chunk holds)
@@ -123,7 +126,8 @@ class StoreMetrics:
         """The numbers as plain values (for JSON and the CLI): counters, and count and total seconds per
         histogram; per tier its reads, hits, promotions and the errors that happened."""
         plain: dict[str, object] = {"tier": self.tier, "hit_rate": round(self.hit_rate, 4)}
-        for name in ("lookups", "query_tokens", "hit_tokens", "loads", "loaded_tokens", "load_bytes", "saved_chunks",
+        for name in ("lookups", "query_tokens", "hit_tokens", "loads", "loaded_tokens", "short_loads", "load_bytes",
+                     "saved_chunks",
                      "save_bytes", "dropped_saves", "failed_saves", "failed_reads", "corrupt_entries"):
             plain[name] = getattr(self, name)
         plain["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
@@ -144,9 +148,11 @@ class StoreMetrics:
             self.hit_tokens_by_tier[tier] = self.hit_tokens_by_tier.get(tier, 0) + tokens
         self.lookup_seconds.observe(seconds)
 
-    def loaded(self, tokens: int, seconds: float) -> None:
+    def loaded(self, tokens: int, seconds: float, *, short: bool = False) -> None:
+        """A load of ``tokens`` in ``seconds``; ``short``: fewer than it was asked for."""
         self.loads += 1
         self.loaded_tokens += tokens
+        self.short_loads += short
         self.load_seconds.observe(seconds)
 
     def saved(self, entry_bytes: int, seconds: float) -> None:

@@ -120,6 +120,7 @@ class PrefixReads:
         the keys up to it: a boundary whose entries turn out missing or corrupt gives way to the longest
         shorter one stored."""
         keys = boundary_keys(token_ids, keys, num_tokens, self.chunk_size, self.keys)
+        asked = len(keys)
         begin = time.perf_counter()
         tensors: dict[tuple[int, int], torch.Tensor] | None = {}
         for _ in range(_LOAD_ATTEMPTS):
@@ -130,7 +131,7 @@ class PrefixReads:
             keys = keys[: shorter // self.chunk_size]
         if tensors is None:  # an unavailable store serves no boundary, nor does one that never read back whole
             tensors, keys = {}, []
-        self.stats.loaded(len(keys) * self.chunk_size, time.perf_counter() - begin)
+        self.stats.loaded(len(keys) * self.chunk_size, time.perf_counter() - begin, short=len(keys) < asked)
         return tensors, keys
 
     def _read(self, keys: list[str]) -> dict[tuple[int, int], torch.Tensor] | None:

@@ -32,6 +32,8 @@ COUNTERS = {
     "hit_tokens": "tokens lookups found stored, every group's needs met",
     "loads": "prefixes loaded (or verified) from the store",
     "loaded_tokens": "tokens of the prefixes loaded",
+    "short_loads": "loads that restored fewer tokens than asked (entries gone, corrupt or unreadable since the "
+                   "lookup): the engine recomputes the rest",
     "load_bytes": "entry bytes read and checked",
     "saved_chunks": "chunks written (one entry per group the chunk holds)",
     "save_bytes": "entry bytes written",

@@ -120,8 +120,8 @@ class KVGroupsConnectorStats(KVConnectorStats):
             values = seconds.get(name, [])
             if values:
                 reduced[f"{name.removesuffix('_seconds')}_ms_mean"] = round(1000 * sum(values) / len(values), 2)
-        for name in ("continued_hits", "continued_local_tokens", "continued_store_tokens", "dropped_saves",
-                     "failed_reads", "failed_saves", "corrupt_entries"):
+        for name in ("continued_hits", "continued_local_tokens", "continued_store_tokens", "short_loads",
+                     "dropped_saves", "failed_reads", "failed_saves", "corrupt_entries"):
             if counters.get(name):
                 reduced[name] = counters[name]
         return reduced

@@ -201,7 +201,7 @@ class WorkerSide:
         begin = time.perf_counter()
         restored = self._restore_entries(plan, transfers, buffers)
         self._bound_store().stats.loaded(plan.num_tokens - plan.local_tokens if restored else 0,
-                                         time.perf_counter() - begin)
+                                         time.perf_counter() - begin, short=not restored)
         return restored
 
     def _restore_entries(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
