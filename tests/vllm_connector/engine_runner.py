@@ -49,6 +49,10 @@ def run_job(job: dict[str, Any], directory: Path, name: str, *, multiprocess: bo
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         # Lets the runner ask the workers to finish their queued saves (a test-only RPC).
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        # vLLM's sampler compiles its logprobs gather (a top-k and a gather: exact either way) with Dynamo
+        # at an engine's first step with logprobs, about 3 s of every engine process on this VM; the
+        # model itself runs eager (enforce_eager) in every job.
+        "TORCHDYNAMO_DISABLE": "1",
     }
     completed = subprocess.run([sys.executable, "-m", "tests.vllm_connector.engine_runner", str(job_path)],
                                cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False)
