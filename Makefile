@@ -85,10 +85,11 @@ test-vllm033: $(VLLM033_VENV)/.installed redis-server
 		tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
 		tests/vllm_connector/test_align_mode.py
 
-# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end; then the
+# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (eight tests
+# of 30-80 s each hold most of its time: a worker that is done takes the other's waiting ones); then the
 # soak's quick version alone (two servers and a cluster want both cores).
 test-vllm: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/pytest -n 2 --durations=8 tests/vllm_connector --ignore=tests/vllm_connector/test_soak.py
+	$(VLLM_BIN)/pytest -n 2 --dist worksteal --durations=8 tests/vllm_connector --ignore=tests/vllm_connector/test_soak.py
 	$(VLLM_BIN)/pytest --durations=1 tests/vllm_connector/test_soak.py
 
 # Serving through faults (benchmarks/soak.py): two vllm serve on one 3+3 cluster for an hour, every fault at
