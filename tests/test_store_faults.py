@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from kvgroups.core.sizes import MIB
 from kvgroups.errors import KVGroupsError
 from kvgroups.store import FileStore, KVChunkStore, MemoryStore, TieredStore, open_store
 from kvgroups.store.codec import decode_entry
+from kvgroups.store.prefixes import LoadedPrefix
 from kvgroups.store.redis_store import RedisStore
 from tests.servers import Server, running_server
 from tests.test_chunk_store import build_metadata, chunk_tensors, saved_store
@@ -105,15 +107,7 @@ def test_damaged_entries_are_misses_on_every_tier(tier: str, tmp_path: Path, ser
     verified = store.verify(TOKENS, boundary)
     loaded = store.load(TOKENS, boundary)
     assert verified <= boundary and loaded.num_tokens <= boundary
-    for part in loaded.groups:
-        group = store.groups[part.group_index]
-        if group.token_indexed:
-            first = part.first_token // 8
-            stored = torch.cat([expected[chunk][part.group_index] for chunk in range(first, loaded.num_tokens // 8)],
-                               dim=2)
-        else:
-            stored = expected[loaded.num_tokens // 8 - 1][part.group_index]
-        assert torch.equal(part.tensor, stored)
+    _assert_exact(store, loaded, expected)
     chunk, group = _where(store, keys, damaged)
     if chunk in store.needed_chunks(group, len(keys)):
         assert loaded.num_tokens < 40  # the damaged entry was needed: never served, a shorter prefix is
@@ -133,6 +127,78 @@ def test_a_tensor_described_otherwise_than_its_metadata_is_corrupt(old: bytes, n
     with pytest.raises(KVGroupsError, match="entry tensor is described as"):
         decode_entry(original.replace(old, new), store.entry_info(store.keys(TOKENS)[0], 0, 0))
     store.close()
+
+
+def _assert_exact(store: KVChunkStore, loaded: LoadedPrefix, expected: dict[int, list[torch.Tensor]]) -> None:
+    """Every group of ``loaded`` holds exactly what was saved for its tokens (``expected``: per chunk)."""
+    for part in loaded.groups:
+        group = store.groups[part.group_index]
+        if group.token_indexed:
+            first = part.first_token // 8
+            stored = torch.cat([expected[chunk][part.group_index] for chunk in range(first, loaded.num_tokens // 8)],
+                               dim=2)
+        else:
+            stored = expected[loaded.num_tokens // 8 - 1][part.group_index]
+        assert torch.equal(part.tensor, stored)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(copies=st.lists(st.sampled_from(["intact", "damaged", "absent"]), min_size=3, max_size=3),
+       mutation=_mutations(), victim=st.integers(0, 1 << 30), reader=st.sampled_from(["load", "entry reader"]))
+def test_a_damaged_copy_is_served_from_the_next_tier_that_holds_it_intact(
+        tmp_path: Path, copies: list[str], mutation: tuple[str, int, int], victim: int, reader: str) -> None:
+    """A flipped byte on disk with a good copy on the server behind it costs no miss: each copy a read meets
+    that does not check out is counted and deleted from its tier alone, the next tier's is read (and
+    promoted into the tiers in front); with no intact copy, it is a miss and no tier keeps the entry."""
+    tiers = [MemoryStore(), FileStore(tmp_path / f"kv-{time.monotonic_ns()}"), MemoryStore()]
+    store = saved_store(build_metadata(KINDS), TieredStore(tiers), TOKENS)
+    try:
+        _read_past_damaged_copies(store, tiers, copies, mutation, victim, reader)
+    finally:
+        store.close()
+        for tier in tiers:  # passed in, so not closed by the chunk store: a file tier keeps directories open
+            tier.close()
+
+
+def _read_past_damaged_copies(store: KVChunkStore, tiers: list[Any], copies: list[str],
+                              mutation: tuple[str, int, int], victim: int, reader: str) -> None:
+    from kvgroups.store.entry_reads import EntryReader
+
+    keys = store.keys(TOKENS)
+    needed = [(chunk, group) for group in range(len(store.groups)) for chunk in store.needed_chunks(group, len(keys))]
+    chunk, group = needed[victim % len(needed)]
+    key = store.entry_key(keys[chunk], group)
+    original = _raw(tiers[0], key)
+    for tier, copy in zip(tiers, copies, strict=True):
+        if copy == "damaged":
+            tier.put(key, _mutate(original, *mutation))
+        elif copy == "absent":
+            tier.delete(key)
+    holders = [index for index, copy in enumerate(copies) if copy != "absent"]
+    serving = next((index for index in holders if copies[index] == "intact"), None)
+    expected = {index: chunk_tensors(store, TOKENS, index) for index in range(len(keys))}
+    if reader == "load":
+        loaded = store.load(TOKENS, len(TOKENS))
+        _assert_exact(store, loaded, expected)
+        assert (loaded.num_tokens == len(TOKENS)) == (serving is not None)
+    else:
+        entries = EntryReader(store)
+        entry = entries.read(keys[chunk], group, chunk, entries.buffer())
+        assert (entry is not None) == (serving is not None)
+        assert entry is None or torch.equal(entry, expected[chunk][group])
+    # Every damaged copy holds the same bytes: one bad read deletes each of them in front of an intact one.
+    assert store.stats.corrupt_entries == any(index < (serving if serving is not None else len(tiers))
+                                              for index in holders if copies[index] == "damaged")
+    if serving is None:
+        assert not any(tier.contains(key) for tier in tiers)
+    else:
+        for index, tier in enumerate(tiers):
+            if index <= serving:  # the intact copy, and promoted in front of it
+                assert _raw(tier, key) == original
+            elif copies[index] == "absent":
+                assert not tier.contains(key)
+            else:  # behind the copy served: never read, left as it was
+                assert _raw(tier, key) == (original if copies[index] == "intact" else _mutate(original, *mutation))
 
 
 def _where(store: KVChunkStore, keys: list[str], entry: str) -> tuple[int, int]:

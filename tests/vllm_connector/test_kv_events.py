@@ -118,6 +118,36 @@ def test_loads_are_announced_and_a_corrupt_entry_removed(gemma3_dir: Path, tmp_p
     assert store.get(f"{keys[1]}.g1") != bytes(damaged)  # deleted (and maybe saved again since, recomputed)
 
 
+def test_an_entry_damaged_in_front_of_a_good_copy_loads_from_it_and_is_never_removed(gemma3_dir: Path,
+                                                                                       tmp_path: Path) -> None:
+    """Two tiers (a file store in front of another, as a node's disk in front of a shared server): a copy
+    damaged in the front tier alone is read from the one behind, so the load succeeds, nothing is
+    announced removed, and the front tier holds the good copy again."""
+    tokens = prompt(100)
+    tiers = {"store": [f"file://{tmp_path}/front", f"file://{tmp_path}/behind"]}
+    harness, first, _ = engine(gemma3_dir, extra(tmp_path, **tiers), seed=0)
+    request = serve(harness, first, "fill", tokens)
+    hashes = [maybe_convert_block_hash(block_hash) for block_hash in request.block_hashes]
+    keys = first.side.store.keys(np.asarray(tokens, dtype=np.uint32))
+    front, behind = FileStore(f"{tmp_path}/front"), FileStore(f"{tmp_path}/behind")
+    good = front.get(f"{keys[1]}.g1")
+    assert good is not None and behind.get(f"{keys[1]}.g1") == good
+    damaged = bytearray(good)
+    damaged[len(damaged) // 2] ^= 0x01
+    front.put(f"{keys[1]}.g1", bytes(damaged))
+    harness, second, published = engine(gemma3_dir, extra(tmp_path, **tiers), seed=1)
+    harness.add("reuse", tokens)
+    steps, computed, load = harness.admit(second, "reuse")
+    assert computed == 96 and load.asynchronous and not any(step.failed_loads for step in steps)
+    harness.step(second)
+    assert not [event for event in store_events(published) if isinstance(event, BlockRemoved)]
+    assert (1, tuple(hashes[2:4])) in [(event.group_idx, tuple(event.block_hashes))
+                                       for event in store_events(published)]  # the chunk loaded, announced
+    stats = second.side.store.stats
+    assert (stats.corrupt_entries, stats.short_loads, stats.loaded_tokens) == (1, 0, 96)
+    assert front.get(f"{keys[1]}.g1") == good  # promoted from behind
+
+
 def test_without_kv_events_nothing_is_tracked(gemma3_dir: Path, tmp_path: Path) -> None:
     kv = cache_config(KINDS, block_size=BLOCK, window=WINDOW)
     config = vllm_config(gemma3_dir, extra(tmp_path))

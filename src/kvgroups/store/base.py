@@ -124,6 +124,13 @@ class ByteStore(abc.ABC):
     def delete(self, key: str) -> bool:
         """Remove ``key``; whether it was there."""
 
+    def discard_served(self, key: str, bad: Stored, max_bytes: int) -> bool:
+        """Remove the copy of ``key`` a read served as ``bad`` (it did not check out; a value longer than
+        ``max_bytes`` is bad whatever it holds); whether another tier still holds a different copy, which
+        a read would serve next. One store holds one copy: it is removed, none is left."""
+        self.delete(key)
+        return False
+
     @abc.abstractmethod
     def iter_keys(self) -> Iterator[str]:
         """Every key stored (for stats, verify and clear; not for the request path)."""

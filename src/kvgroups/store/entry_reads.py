@@ -48,20 +48,24 @@ class EntryReader:
         if not self._backoff.available():
             return None
         stats, byte_store = self.store.stats, self.store.store
-        try:
-            value = byte_store.get_into(info.key, memoryview(buffer))
-        except OSError as error:
-            stats.failed_reads += 1
-            byte_store.record_error(error)
-            self._backoff.failed("load", error)
-            return None
-        byte_store.record_read(1, value is not None)
-        if value is None:
-            return None
-        try:
-            tensor = view_entry(value, info, secret=self.store.secret)
-        except CorruptEntryError as error:
-            self.store.discard_corrupt(info, error)
-            return None
-        stats.bytes_read[group_index] += len(value)
-        return tensor
+        # A copy that does not check out is discarded; a later tier's, where one holds it, is read next.
+        for _ in range(len(byte_store.tiers)):
+            try:
+                value = byte_store.get_into(info.key, memoryview(buffer))
+            except OSError as error:
+                stats.failed_reads += 1
+                byte_store.record_error(error)
+                self._backoff.failed("load", error)
+                return None
+            byte_store.record_read(1, value is not None)
+            if value is None:
+                return None
+            try:
+                tensor = view_entry(value, info, secret=self.store.secret)
+            except CorruptEntryError as error:
+                if self.store.discard_corrupt(info, error, value):
+                    continue
+                return None
+            stats.bytes_read[group_index] += len(value)
+            return tensor
+        return None

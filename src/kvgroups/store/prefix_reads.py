@@ -8,7 +8,6 @@ holds the state it reads through (the byte store, the groups, the secret, the co
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -17,7 +16,7 @@ import torch
 
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.errors import KVGroupsError
-from kvgroups.store.base import ByteStore
+from kvgroups.store.base import ByteStore, Stored
 from kvgroups.store.codec import CorruptEntryError, EntryInfo, view_entry
 from kvgroups.store.health import Backoff, RateLimitedLog
 from kvgroups.store.keys import TokenIds, boundary_keys, checked_keys
@@ -152,23 +151,43 @@ class PrefixReads:
         tensors: dict[tuple[int, int], torch.Tensor] = {}
         whole = True
         for info, value in zip(wanted, values, strict=True):
-            if value is None:
+            tensor = self._checked(info, value)
+            if tensor is None:
                 whole = False
                 continue
-            try:
-                tensors[info.group_index, info.chunk_index] = view_entry(value, info, secret=self.secret)
-                self.stats.bytes_read[info.group_index] += len(value)
-            except CorruptEntryError as error:
-                whole = False
-                self.discard_corrupt(info, error)
+            tensors[info.group_index, info.chunk_index] = tensor
         return tensors if whole else None
 
-    def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError) -> None:
-        """An entry read as ``info`` did not check out: count it, say so (rate-limited) and delete it."""
+    def _checked(self, info: EntryInfo, value: Stored | None) -> torch.Tensor | None:
+        """The entry ``value`` holds, as a view of it; None when it is missing or no copy checks out. A copy
+        that does not is discarded and, where a later tier holds another, that one is read and checked."""
+        for _ in range(len(self.store.tiers)):
+            if value is None:
+                return None
+            try:
+                tensor = view_entry(value, info, secret=self.secret)
+            except CorruptEntryError as error:
+                if not self.discard_corrupt(info, error, value):
+                    return None
+                try:
+                    value = self.store.get(info.key, info.max_entry_bytes)
+                except OSError as failure:
+                    self._failed("load", failure)
+                    return None
+                continue
+            self.stats.bytes_read[info.group_index] += len(value)
+            return tensor
+        return None
+
+    def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError, value: Stored) -> bool:
+        """An entry read as ``info`` did not check out (as ``value``): count it, say so (rate-limited) and
+        delete that copy; whether a later tier holds another copy, to read instead."""
         self.stats.corrupt_entries += 1
         self.store.record_error(error)
         self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
                           self.store.url, self.stats.corrupt_entries, error)
-        with contextlib.suppress(OSError):  # a failed delete leaves it unusable all the same: reads check it
-            self.store.delete(info.key)
+        try:
+            return self.store.discard_served(info.key, value, info.max_entry_bytes)
+        except OSError:  # a failed delete leaves it unusable all the same: reads check it
+            return False
 

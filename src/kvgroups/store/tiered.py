@@ -155,6 +155,22 @@ class TieredStore(ByteStore):
         results = [self._ask(index, "delete", lambda store: store.delete(key)) for index in range(len(self._tiers))]
         return any(bool(deleted) for _, deleted in results)
 
+    def discard_served(self, key: str, bad: Stored, max_bytes: int) -> bool:
+        # A read served ``bad`` from the first tier that answered holding the key and promoted it into the
+        # tiers in front, unchecked: every tier whose copy is those bytes loses it, in order, up to the first
+        # holding another copy, which the next read serves (promoted and checked again by its reader). A tier
+        # backed off is not asked, as reads skip it. Only the rare bad read pays these reads.
+        bad_bytes = bytes(memoryview(bad).cast("B"))
+        for index in range(len(self._tiers)):
+            ok, value = self._ask(index, "read", methodcaller("get", key, max_bytes))
+            if not ok or value is None:
+                continue
+            copy = bytes(memoryview(value).cast("B"))
+            if copy != bad_bytes and not (len(copy) > max_bytes and len(bad_bytes) > max_bytes):
+                return True
+            self._ask(index, "delete", lambda store: store.delete(key))
+        return False
+
     def size_of(self, key: str) -> int | None:
         for index in range(len(self._tiers)):
             _, size = self._ask(index, "look up", lambda store: store.size_of(key))

@@ -42,6 +42,7 @@ from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec
 
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.plans import LoadPlan, SavePlan
+from kvgroups.store.base import Stored
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.codec import CorruptEntryError, EntryInfo
 
@@ -97,14 +98,16 @@ class EntryReports:
 
 
 class ReportingChunkStore(KVChunkStore):
-    """A worker's chunk store that reports the entries it deletes as corrupt."""
+    """A worker's chunk store that reports the entries it deletes as corrupt (gone from every tier: one a
+    later tier still holds is served from there)."""
 
     reports: EntryReports | None = None
 
-    def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError) -> None:
-        super().discard_corrupt(info, error)
-        if self.reports is not None:
+    def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError, value: Stored) -> bool:
+        another = super().discard_corrupt(info, error, value)
+        if self.reports is not None and not another:
             self.reports.removed(info.key)
+        return another
 
 
 @dataclass
