@@ -12,12 +12,13 @@ counted in the chunk store's stats; a store that fails is left alone for a while
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
 
+from kvgroups.store.base import Stored
 from kvgroups.store.chunk_store import KVChunkStore
-from kvgroups.store.codec import CorruptEntryError, view_entry
 from kvgroups.store.health import Backoff, RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -47,25 +48,18 @@ class EntryReader:
         info = self.store.entry_info(key, group_index, chunk_index)
         if not self._backoff.available():
             return None
-        stats, byte_store = self.store.stats, self.store.store
         # A copy that does not check out is discarded; a later tier's, where one holds it, is read next.
-        for _ in range(len(byte_store.tiers)):
-            try:
-                value = byte_store.get_into(info.key, memoryview(buffer))
-            except OSError as error:
-                stats.failed_reads += 1
-                byte_store.record_error(error)
-                self._backoff.failed("load", error)
-                return None
-            byte_store.record_read(1, value is not None)
-            if value is None:
-                return None
-            try:
-                tensor = view_entry(value, info, secret=self.store.secret)
-            except CorruptEntryError as error:
-                if self.store.discard_corrupt(info, error, value):
-                    continue
-                return None
-            stats.bytes_read[group_index] += len(value)
-            return tensor
-        return None
+        return self.store.checked_entry(info, self._get_into(info.key, buffer),
+                                        partial(self._get_into, info.key, buffer))
+
+    def _get_into(self, key: str, buffer: Any) -> Stored | None:
+        byte_store = self.store.store
+        try:
+            value = byte_store.get_into(key, memoryview(buffer))
+        except OSError as error:
+            self.store.stats.failed_reads += 1
+            byte_store.record_error(error)
+            self._backoff.failed("load", error)
+            return None
+        byte_store.record_read(1, value is not None)
+        return value

@@ -127,8 +127,7 @@ class StoreMetrics:
         histogram; per tier its reads, hits, promotions and the errors that happened."""
         plain: dict[str, object] = {"tier": self.tier, "hit_rate": round(self.hit_rate, 4)}
         for name in ("lookups", "query_tokens", "hit_tokens", "loads", "loaded_tokens", "short_loads", "load_bytes",
-                     "saved_chunks",
-                     "save_bytes", "dropped_saves", "failed_saves", "failed_reads", "corrupt_entries"):
+                     "saved_chunks", "save_bytes", "dropped_saves", "failed_saves", "failed_reads", "corrupt_entries"):
             plain[name] = getattr(self, name)
         plain["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
         plain["dropped_by_reason"] = {reason: count for reason, count in self.dropped_by_reason.items() if count}

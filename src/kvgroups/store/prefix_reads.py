@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,16 +152,18 @@ class PrefixReads:
         tensors: dict[tuple[int, int], torch.Tensor] = {}
         whole = True
         for info, value in zip(wanted, values, strict=True):
-            tensor = self._checked(info, value)
+            tensor = self.checked_entry(info, value, partial(self._read_again, info))
             if tensor is None:
                 whole = False
                 continue
             tensors[info.group_index, info.chunk_index] = tensor
         return tensors if whole else None
 
-    def _checked(self, info: EntryInfo, value: Stored | None) -> torch.Tensor | None:
+    def checked_entry(self, info: EntryInfo, value: Stored | None,
+                      read_again: Callable[[], Stored | None]) -> torch.Tensor | None:
         """The entry ``value`` holds, as a view of it; None when it is missing or no copy checks out. A copy
-        that does not is discarded and, where a later tier holds another, that one is read and checked."""
+        that does not is discarded and, where a later tier holds another, ``read_again`` reads that one
+        (None when it fails, the caller's failure counted), which is checked in turn."""
         for _ in range(len(self.store.tiers)):
             if value is None:
                 return None
@@ -169,15 +172,18 @@ class PrefixReads:
             except CorruptEntryError as error:
                 if not self.discard_corrupt(info, error, value):
                     return None
-                try:
-                    value = self.store.get(info.key, info.max_entry_bytes)
-                except OSError as failure:
-                    self._failed("load", failure)
-                    return None
+                value = read_again()
                 continue
             self.stats.bytes_read[info.group_index] += len(value)
             return tensor
         return None
+
+    def _read_again(self, info: EntryInfo) -> Stored | None:
+        try:
+            return self.store.get(info.key, info.max_entry_bytes)
+        except OSError as error:
+            self._failed("load", error)
+            return None
 
     def discard_corrupt(self, info: EntryInfo, error: CorruptEntryError, value: Stored) -> bool:
         """An entry read as ``info`` did not check out (as ``value``): count it, say so (rate-limited) and
