@@ -110,6 +110,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note_text": dict(num_key_value_heads=4, index_topk=8, swa_num_attention_heads=4, swa_num_key_value_heads=4,
                             swa_q_lora_rank=48, swa_kv_lora_rank=32, swa_head_dim=24, swa_qk_nope_head_dim=16,
                             swa_v_head_dim=16, shared_experts_intermediate_size=32),
+    # transformers 5.25 validates that the indexer's heads fit in one key head's query heads (4 / 2 here).
+    # Five layers, so that one is an indexed-attention layer (every fifth is).
+    "kolibri1_1": dict(index_num_heads=2, num_hidden_layers=5),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], num_dense_layers=1),
     "gemma3n_text": dict(num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
                          hidden_size_per_layer_input=16, vocab_size_per_layer_input=256, laurel_rank=8,

@@ -70,6 +70,8 @@ def quiet_single_thread() -> Iterator[None]:
 def _differences(found: dict[str, Any], kept: dict[str, Any]) -> list[str]:
     lines = [f"transformers {kept.get('transformers')} -> {found['transformers']}"] if (
         found["transformers"] != kept.get("transformers")) else []
+    if found["verified_transformers"] != kept.get("verified_transformers"):
+        lines.append(f"verified_transformers {kept.get('verified_transformers')} -> {found['verified_transformers']}")
     for name in sorted(set(found["types"]) | set(kept.get("types", {}))):
         now, before = found["types"].get(name), kept.get("types", {}).get(name)
         if now != before:
@@ -77,9 +79,18 @@ def _differences(found: dict[str, Any], kept: dict[str, Any]) -> list[str]:
     return lines
 
 
+def with_verified_versions(record: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with the versions the file says were verified, this one among them: a version is added by
+    the run that writes the file on it, and stays while the verdicts do (the reuse suite runs on the oldest
+    locked one in make test, tests/test_transformers_versions.py)."""
+    versions = set(kept.get("verified_transformers", [])) | {record["transformers"]}
+    return {**record, "verified_transformers": sorted(versions, key=lambda text: [int(part) if part.isdigit() else 0
+                                                                                   for part in text.split(".")])}
+
+
 @pytest.mark.usefixtures("quiet_single_thread")
 def test_every_causal_lm_type_is_verified_or_refused_with_the_reason() -> None:
-    record = to_record(sweep())
+    record = with_verified_versions(to_record(sweep()), stored())
     if os.environ.get("KVGROUPS_UPDATE_SWEEP"):
         DATA.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         DOCS.write_text(render_table(parse(record)), encoding="utf-8")
@@ -100,6 +111,7 @@ def test_every_causal_lm_type_is_verified_or_refused_with_the_reason() -> None:
 def test_the_file_covers_every_causal_lm_type_of_the_installed_transformers() -> None:
     data = parse(stored())
     assert data.transformers == transformers.__version__
+    assert transformers.__version__ in data.verified_transformers
     assert sorted(data.types) == causal_types()
     assert set(INSPECT_REFUSED) <= set(data.types) and set(PREFIX_REASONS) <= set(data.types)
 

@@ -65,8 +65,13 @@ class TypeRecord:
 
 @dataclass(frozen=True)
 class SweepData:
+    """The sweep's verdicts, written on transformers ``transformers``; ``verified_transformers`` are the
+    versions the sweep and the reuse suite passed on with these verdicts (the written one among them): on
+    any other, ``PrefixCache`` checks a restore before serving a hit."""
+
     transformers: str
     types: dict[str, TypeRecord]
+    verified_transformers: frozenset[str] = frozenset()
 
     def prefix_cache_verdicts(self) -> dict[str, Verdict]:
         """The verdict for every name a model may answer to: each type, and each text type that is not a
@@ -84,7 +89,12 @@ def parse(data: Any) -> SweepData:
                              Verdict.parse(row["prefix_cache"]))
             for name, row in data["types"].items()
         }
-        return SweepData(str(data["transformers"]), types)
+        written = str(data["transformers"])
+        verified = frozenset(str(version) for version in data.get("verified_transformers", [written]))
+        if written not in verified:
+            raise KVGroupsError(f"{DATA_FILE}: the version the sweep was written on, {written}, is not among "
+                                f"verified_transformers {sorted(verified)}")
+        return SweepData(written, types, verified)
     except (KeyError, TypeError, AttributeError) as error:
         raise KVGroupsError(f"{DATA_FILE} is malformed: {error!r}") from None
 

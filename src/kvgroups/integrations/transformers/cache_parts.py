@@ -221,8 +221,6 @@ def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, bounda
                 layer.update(keys, values_)
         if PartRole.KEYS in by_role:
             layer.update(by_role[PartRole.KEYS].unsqueeze(0), by_role[PartRole.VALUES].unsqueeze(0))
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length = boundary  # update() counted only the tokens restored
         if PartRole.INDEXER in by_role:
             layer.update_indexer(by_role[PartRole.INDEXER])
         # Conv states first: the first update_conv_state of a fresh layer takes them as a prefill's
@@ -235,3 +233,22 @@ def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, bounda
             if part.role is PartRole.STATE:
                 layer.update_recurrent_state(values[part.name], state_idx=part.state_index)
                 layer.has_previous_state[part.state_index] = True
+        _count_tokens(cache.layers[index], boundary)
+
+
+# The token counts a layer keeps beside its tensors: a sliding layer's tokens seen (its updates counted only
+# the window restored), and, from transformers 5.25, a linear-attention layer's (its update_conv_state
+# counted the conv window restored). A counter left as the restore's updates set it tells the model a
+# prefix of another length: positions and masks it derives from the cache then differ from computing.
+TOKEN_COUNTERS = ("cumulative_length", "cumulative_length_linear")
+
+
+def _count_tokens(layer: Any, boundary: int) -> None:
+    """Set every token counter ``layer`` keeps to ``boundary``, in place where it is a tensor (transformers
+    marks it as a static address) and as an int where it is one."""
+    for name in TOKEN_COUNTERS:
+        count = getattr(layer, name, None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(boundary)
+        elif isinstance(count, int):
+            setattr(layer, name, boundary)

@@ -15,11 +15,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.transformers.cache_binding import CacheBinding
+from kvgroups.integrations.transformers.restore_check import (
+    RestoreCheck,
+    check_enabled,
+    checked,
+    continue_generate,
+    needs_check,
+)
 from kvgroups.integrations.transformers.support import check_supported, model_identity
 from kvgroups.store import KVChunkStore, LoadedEntries, StoreSecret
 from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
@@ -68,6 +76,10 @@ class PrefixCache:
             a MAC on every entry, so nobody without it can confirm a prompt or plant KV.
         encrypt: also encrypt every entry (AES-256-GCM; needs a secret).
         max_pending_bytes: bytes of saves the background writer may hold before it drops new ones.
+        restore_check: on a transformers version the sweep never verified, check before the first hit
+            that a restored prefix continues as a computed one (:mod:`.restore_check`), and serve no hit
+            if it does not. None: on unless ``$KVGROUPS_RESTORE_CHECK=0``; False: for operators who
+            verified that version themselves. A verified version is never checked.
 
     Raises:
         UnsupportedModelError: the model type is refused, or its reuse was never checked.
@@ -77,8 +89,11 @@ class PrefixCache:
 
     def __init__(self, model: Any, store: StoreArg, *, chunk_size: int = 256, salt: str | bytes = "",
                  secret: str | bytes | StoreSecret | None = None, encrypt: bool = False,
-                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, restore_check: bool | None = None) -> None:
         check_supported(model)
+        # Read now, not at import: what decides whether this model's hits wait for a check.
+        self.transformers_version = transformers.__version__
+        self._check_restores = needs_check(self.transformers_version) and check_enabled(restore_check)
         self.model = model
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
@@ -90,6 +105,8 @@ class PrefixCache:
                                         max_pending_bytes=max_pending_bytes)
         # The latest prefill's result (generate() runs one): what it reused and computed.
         self.last_prefill: PrefillResult | None = None
+        # The restore check, once run (None: not yet, or not needed on a verified version).
+        self.restore_check: RestoreCheck | None = None
 
     # --- the public calls -----------------------------------------------------------------
     def prefill(self, input_ids: Any, *, progress: Progress | None = None) -> PrefillResult:
@@ -114,8 +131,10 @@ class PrefixCache:
         total, chunk = len(tokens), self.chunk_size
         keys = self.chunk_store.keys(tokens)
         # Look up and load: at least one token is computed, for the logits.
-        limit = (total - 1) // chunk
+        limit = (total - 1) // chunk if self._hits_possible else 0
         boundary = self.chunk_store.lookup(None, keys=keys[:limit]) if limit else 0
+        if boundary and not self._hits_checked():
+            boundary = 0
         loaded = self.chunk_store.load_entries(None, boundary, keys=keys) if boundary else \
             LoadedEntries(num_tokens=0, entries={})
         # Restore, with room for the prompt's other tokens: the forwards computing them write them in place.
@@ -163,13 +182,24 @@ class PrefixCache:
             return self.model.generate(ids[None], max_new_tokens=max_new_tokens, **kwargs)  # type: ignore[no-any-return]
         # generate() in transformers 5 takes the cache as ``cache``.
         result = self.prefill(ids[:-1], progress=progress)
-        if self.binding.all_recurrent:
-            # A cache of only recurrent layers cannot say its length, so generate would feed the
-            # whole prompt on top of the state: hand it only the token that is not cached.
-            output = self.model.generate(ids[None, -1:], cache=result.cache, max_new_tokens=max_new_tokens, **kwargs)
+        output, fed_last_only = continue_generate(self.model, ids, result.cache, self.binding.all_recurrent,
+                                                  max_new_tokens=max_new_tokens, **kwargs)
+        if fed_last_only:  # the prompt goes back in front
             return torch.cat([ids[None, :-1], output], dim=1)
-        return self.model.generate(ids[None], cache=result.cache,  # type: ignore[no-any-return]
-                                   max_new_tokens=max_new_tokens, **kwargs)
+        return output  # type: ignore[no-any-return]
+
+    @property
+    def _hits_possible(self) -> bool:
+        return self.restore_check is None or self.restore_check.passed
+
+    def _hits_checked(self) -> bool:
+        """Whether a hit may be served: on a verified transformers version always; on another once the
+        restore check passed (run before the first hit, once per process and model)."""
+        if not self._check_restores:
+            return True
+        if self.restore_check is None:
+            self.restore_check = checked(self.model, self.binding)
+        return self.restore_check.passed
 
     @property
     def stats(self) -> StoreMetrics:

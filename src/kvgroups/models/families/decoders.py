@@ -58,6 +58,8 @@ _STANDARD: Mapping[str, Mapping[str, Any]] = {
     "iquestcoder": _defaults(80, 40, 5120, 131072, num_key_value_heads=8, head_dim=128),
     "jais2": _defaults(32, 26, 3328, 8192),
     "minimax_m2": _defaults(62, 48, 3072, 196608, num_key_value_heads=8, head_dim=128),
+    "minicpm5_moe": _defaults(28, 32, 2048, 524288, num_key_value_heads=2, head_dim=128),
+    "param2moe": _defaults(21, 32, 2048, 32768, num_key_value_heads=8, head_dim=64),
     "nanochat": _defaults(12, 6, 768, 2048), "nemotron": _defaults(32, 48, 6144, 4096),
     "olmo": _defaults(32, 32, 4096, 2048), "olmo2": _defaults(32, 32, 4096, 2048),
     "olmoe": _defaults(16, 16, 2048, 4096), "opt": _defaults(12, 12, 768, 2048),

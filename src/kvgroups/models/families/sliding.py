@@ -56,6 +56,8 @@ _register(["cohere2"], _every("sliding_window_pattern"),
 _register(["cohere_compass_text"], lambda config, index, layers: False, _defaults(40, 64, 8192, 8192, 4096))
 _register(["cwm"], lambda config, index, layers: index % 4 != 0,
           _defaults(64, 48, 6144, 131072, 8192, num_key_value_heads=8, head_dim=128))
+_register(["ergo"], _every("global_attention_every_n_layers"),
+          _defaults(64, 64, 8192, 524288, 512, num_key_value_heads=8, global_attention_every_n_layers=4))
 _register(["flint"], lambda config, index, layers: not (index < 2 or index % 4 == 1 or index == layers - 1),
           _defaults(49, 32, 2048, 262144, 513, num_key_value_heads=4, head_dim=128))
 _register(["granite_swa"], lambda config, index, layers: index % 4 != 0,
