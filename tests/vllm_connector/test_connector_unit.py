@@ -652,3 +652,24 @@ def test_settings_refuse_what_cannot_work_and_never_show_a_password(tmp_path: Pa
     assert "hunter2-secret" not in str(refused.value) and ":***@" in str(refused.value)
     settings = ConnectorSettings.from_extra_config({"store": "redis://user:hunter2-secret@h:1/0"})
     assert "hunter2-secret" not in repr(settings) and settings.stores == ("redis://user:hunter2-secret@h:1/0",)
+
+
+@pytest.mark.parametrize("version", ["0.99.1", "this vLLM's own"])
+def test_a_vllm_release_the_tests_never_ran_against_is_named_once_at_start_up(
+        version: str, gemma3_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector cannot run vLLM's engine twice to check a restore: on a release its tests never ran
+    against it says so once, naming the version (the scheduler's connector, not each worker's)."""
+    from kvgroups.integrations.vllm.versions import TESTED_VLLM, release
+
+    if version != "0.99.1":
+        version = vllm.__version__
+        assert release(version) in TESTED_VLLM  # what make test runs on is what the tests ran against
+    monkeypatch.setattr(vllm, "__version__", version)
+    harness, worker = fresh(gemma3_dir, file_store(tmp_path), ["sliding", "full"])
+    assert harness.connector is not None and worker is not None
+    named = [record.getMessage() for record in caplog.records
+             if record.levelname == "WARNING" and "not a release its tests ran against" in record.getMessage()]
+    assert named == ([] if release(version) in TESTED_VLLM else [named[0]])
+    if named:
+        assert f"vLLM {version} " in named[0] and all(tested in named[0] for tested in TESTED_VLLM)

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import vllm
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,6 +35,7 @@ from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from kvgroups.integrations.vllm.scheduler_side import SchedulerSide
 from kvgroups.integrations.vllm.settings import ConnectorConfigError
 from kvgroups.integrations.vllm.stats import KVGroupsConnectorStats, KVGroupsPromMetrics
+from kvgroups.integrations.vllm.versions import untested_warning
 from kvgroups.integrations.vllm.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.deployment, kv_cache_config)
             self._warn_about_failures(policy)
+            untested = untested_warning(vllm.__version__)
+            if untested:  # once per engine: the scheduler's connector is the one of its kind
+                logger.warning(untested)
         else:
             self._worker = WorkerSide(self.deployment, _tensor_parallel_rank())
 
