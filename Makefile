@@ -158,6 +158,7 @@ bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed redis-server
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/macs.py
 	$(BIN)/python benchmarks/reuse.py
+	$(BIN)/python benchmarks/restore_check.py
 	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32

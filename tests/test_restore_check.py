@@ -269,3 +269,51 @@ def test_the_fingerprint_is_the_same_in_every_process() -> None:
                                 env={**os.environ, "PYTHONHASHSEED": seed}, timeout=300)
         found.add(output.stdout.strip().splitlines()[-1])
     assert len(found) == 1 and len(found.pop()) == 64
+
+
+# A release whose linear layers count their own way (as the fixture above), then `kvgroups generate`.
+BROKEN_RELEASE_GENERATE = """
+import sys
+import transformers
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
+transformers.__version__ = "5.99.0"
+update = LinearAttentionLayer.update_conv_state
+def counting_update(self, conv_states, state_idx=0, **kwargs):
+    if state_idx == 0:
+        self.tokens_seen_v99 = getattr(self, "tokens_seen_v99", 0) + conv_states.shape[-1]
+    return update(self, conv_states, state_idx=state_idx, **kwargs)
+def increase_count(self, state_idx):
+    if state_idx == 0:
+        self.tokens_seen_v99 = getattr(self, "tokens_seen_v99", 0) + 1
+LinearAttentionLayer.update_conv_state = counting_update
+LinearAttentionCacheLayerMixin.increase_count = increase_count
+LinearAttentionCacheLayerMixin.get_seq_length = lambda self: getattr(self, "tokens_seen_v99", 0)
+from kvgroups.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_kvgroups_generate_says_so_in_one_line_or_reuses_when_told(off: bool, tmp_path: Path) -> None:
+    model = tiny_model("qwen3_next")
+    model.save_pretrained(tmp_path / "model")
+    ids = [3 + (index * 5) % 250 for index in range(30)]
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    command = [sys.executable, "-c", BROKEN_RELEASE_GENERATE, "generate", str(tmp_path / "model"), "--prompt-ids",
+               str(tmp_path / "ids.json"), "--store", f"file://{tmp_path}/kv", "--chunk-size", "8",
+               "--max-new-tokens", "4", *(["--no-restore-check"] if off else [])]
+    environment = {**os.environ, "KVGROUPS_CACHE_DIR": str(tmp_path / "checks")}
+    for _ in range(2):  # the second run has a stored prefix to hit
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                                env=environment)
+        assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+    if off:
+        assert "reused 24 tokens" in result.stderr and not warned
+    else:
+        assert "reused 0 tokens, computed 30" in result.stderr
+        [line] = warned
+        assert line.startswith("kvgroups: warning: prefix reuse is off for ") and "5.99.0" in line
+        assert "Qwen3NextForCausalLM" in line
+        plain = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
+        assert json.loads(result.stdout) == plain[0, len(ids):].tolist()

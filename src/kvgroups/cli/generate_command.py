@@ -14,6 +14,7 @@ import contextlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ def add_generate_command(commands: Any) -> None:
     generate.add_argument("--encrypt", action="store_true", help="encrypt the entries saved (needs a secret)")
     generate.add_argument("--stats", action="store_true", help="print what the store did (hits, bytes, times, "
                                                                "errors) on stderr")
+    generate.add_argument("--no-restore-check", action="store_true",
+                          help="on a transformers version kvgroups never verified, serve hits without first checking "
+                               "that a restored prefix continues as a computed one (for operators who verified it)")
     generate.set_defaults(run=run_generate)
 
 
@@ -103,6 +107,7 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
     import transformers  # noqa: PLC0415
 
     from kvgroups.integrations.transformers import PrefixCache  # noqa: PLC0415
+    from kvgroups.integrations.transformers.restore_check import RestoreCheckWarning  # noqa: PLC0415
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # stderr carries our one progress bar and summary
@@ -117,7 +122,7 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
     ids = torch.tensor(given_ids if given_ids is not None else _prompt_ids(args, tokenizer), dtype=torch.int64)
     errors = Console(stderr=True)
     with PrefixCache(model, store, chunk_size=args.chunk_size, salt=args.salt, secret=args.secret,
-                     encrypt=args.encrypt) as cache, \
+                     encrypt=args.encrypt, restore_check=False if args.no_restore_check else None) as cache, \
             Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=errors, transient=True) as progress:
         task = progress.add_task("prefill", total=len(ids))
@@ -127,8 +132,12 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
         def advance(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        output = cache.generate(ids, max_new_tokens=args.max_new_tokens, streamer=first, progress=advance)
+        with warnings.catch_warnings():
+            # The restore check's warning is the report's: one line on stderr below, not the warnings module's.
+            warnings.simplefilter("ignore", RestoreCheckWarning)
+            output = cache.generate(ids, max_new_tokens=args.max_new_tokens, streamer=first, progress=advance)
         cache.flush()
+        check = cache.restore_check
         prefill = cache.last_prefill
         summary = cache.stats.summary()
     new = output[0, len(ids):].tolist()
@@ -138,6 +147,8 @@ def _generate(args: argparse.Namespace, directory: Path, given_ids: list[int] | 
         sys.stdout.write(tokenizer.decode(new, skip_special_tokens=True) + "\n")
     ttft = (first.at or time.perf_counter()) - begin
     reused_tokens = prefill.reused_tokens if prefill is not None else 0
+    if check is not None and not check.passed:
+        sys.stderr.write(f"kvgroups: warning: {' '.join(check.warning.split())}\n")
     errors.print(f"reused {reused_tokens} tokens, computed {len(ids) - reused_tokens}; "
                  f"time to first token {ttft:.3f} s; {len(new)} new tokens")
     if args.stats:

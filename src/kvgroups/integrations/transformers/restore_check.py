@@ -75,6 +75,14 @@ class RestoreCheck:
     seconds: float = 0.0
     remembered: bool = False
 
+    @property
+    def warning(self) -> str:
+        """What a failed check warns: the version, the model class, what differed."""
+        return (f"prefix reuse is off for {self.model_class}: transformers {self.transformers_version} is a version "
+                f"kvgroups never verified (verified: {', '.join(sorted(VERIFIED_TRANSFORMERS))}), and on it a "
+                f"restored prefix does not continue as a computed one ({self.difference}); every request computes "
+                f"its whole prompt")
+
 
 def needs_check(version: str) -> bool:
     return version not in VERIFIED_TRANSFORMERS
@@ -336,11 +344,7 @@ def checked(model: Any, binding: CacheBinding, records: CheckRecords | None = No
             logger.info("prefix reuse on transformers %s for %s: checked, a restored prefix continues as a computed "
                         "one (%.2f s); hits are served", version, model_class, result.seconds)
         else:
-            message = (f"prefix reuse is off for {model_class}: transformers {version} is a version kvgroups never "
-                       f"verified (verified: {', '.join(sorted(VERIFIED_TRANSFORMERS))}), and on it a restored "
-                       f"prefix does not continue as a computed one ({difference}); every request computes its "
-                       f"whole prompt")
-            logger.warning(message)
-            warnings.warn(message, RestoreCheckWarning, stacklevel=4)
+            logger.warning(result.warning)
+            warnings.warn(result.warning, RestoreCheckWarning, stacklevel=4)
     _CHECKED[key] = result
     return result
