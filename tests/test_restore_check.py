@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def fresh_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     directory = tmp_path / "kvgroups-cache"
     monkeypatch.setenv("KVGROUPS_CACHE_DIR", str(directory))
     monkeypatch.delenv("KVGROUPS_RESTORE_CHECK", raising=False)
-    monkeypatch.setattr(restore_check, "_CHECKED", {})
+    monkeypatch.setattr(restore_check, "_CHECKED", weakref.WeakKeyDictionary())
     transformers.logging.set_verbosity_error()
     yield directory / "restore-checks"
 
@@ -169,7 +170,7 @@ def test_a_release_that_restores_right_is_checked_once_then_reuses(
     assert saved["passed"] is True and saved["transformers"] == UNVERIFIED
     assert saved["model_class"].endswith("Qwen3NextForCausalLM")
     # Another process (no memory of its own) reads the pass and runs nothing.
-    monkeypatch.setattr(restore_check, "_CHECKED", {})
+    monkeypatch.setattr(restore_check, "_CHECKED", weakref.WeakKeyDictionary())
 
     def never(*_: Any) -> Any:
         raise AssertionError("a remembered pass was checked again")
@@ -204,6 +205,18 @@ def test_a_remembered_pass_is_not_one_for_patched_layers(fresh_checks: Path) -> 
         patch.setattr(LinearAttentionLayer, "update_conv_state", same_update)
         with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
             assert fingerprint(model, cache.binding) != before
+    # A forward replaced on one module of this model object, and a hook: code its class does not show.
+    attention = model.model.layers[0].linear_attn
+    forward = attention.forward
+    with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
+        assert fingerprint(model, cache.binding) == before
+        attention.forward = lambda *args, **kwargs: forward(*args, **kwargs)
+        replaced = fingerprint(model, cache.binding)
+        del attention.forward
+        handle = attention.register_forward_hook(lambda module, inputs, output: None)
+        hooked = fingerprint(model, cache.binding)
+        handle.remove()
+        assert len({before, replaced, hooked}) == 3 and fingerprint(model, cache.binding) == before
 
 
 def test_records_on_disk_are_read_defensively(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import sys
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +245,20 @@ def _own_constants(digest: Any) -> None:
                 digest.update(f"{name}.{key}={value!r}".encode())
 
 
+def _instance_functions(model: Any) -> Iterator[Mapping[str, Any]]:
+    """Functions set on the model's modules themselves (a forward replaced on one instance) and their hooks:
+    code a class's does not show."""
+    for index, module in enumerate(model.modules()):
+        found = {f"{index}.{name}": getattr(value, "__func__", value) for name, value in vars(module).items()
+                 if callable(value) and not isinstance(value, type)}
+        for kind in ("_forward_hooks", "_forward_pre_hooks"):
+            hooks = getattr(module, kind, None) or {}
+            found.update({f"{index}.{kind}.{position}": getattr(hook, "__func__", hook)
+                          for position, hook in enumerate(hooks.values())})
+        if found:
+            yield found
+
+
 def _classes(model: Any, binding: CacheBinding) -> list[type]:
     cache_classes = {type(layer) for layer in DynamicCache(config=binding.config).layers}
     cache_classes |= {DynamicCache, ReservedDynamicLayer}
@@ -267,6 +282,7 @@ def fingerprint(model: Any, binding: CacheBinding) -> str:
     namespaces += [vars(cls) for cls in _classes(model, binding) if cls is not object]
     namespaces += list(_own_namespaces())
     _own_constants(digest)
+    namespaces += list(_instance_functions(model))
     for namespace in namespaces:
         for name, code in _functions(namespace):
             if id(code) in seen:
@@ -317,8 +333,9 @@ class CheckRecords:
             logger.debug("cannot remember a restore check in %s: %s", self.directory, error)
 
 
-# The checks this process ran or read, by fingerprint: once per process and model.
-_CHECKED: dict[str, RestoreCheck] = {}
+# The checks this process ran or read, per model object and fingerprint: once per process and model (a model
+# whose modules were patched on the instance is another model, though its class and code are the same).
+_CHECKED: weakref.WeakKeyDictionary[Any, dict[str, RestoreCheck]] = weakref.WeakKeyDictionary()
 
 
 def checked(model: Any, binding: CacheBinding, records: CheckRecords | None = None,
@@ -328,8 +345,9 @@ def checked(model: Any, binding: CacheBinding, records: CheckRecords | None = No
     class and what differed; a pass is logged."""
     version, model_class = transformers.__version__, class_name(model)
     key = fingerprint(model, binding)
-    if key in _CHECKED:
-        return _CHECKED[key]
+    known = _CHECKED.setdefault(model, {})
+    if key in known:
+        return known[key]
     records = records or CheckRecords()
     if records.passed(key):
         result = RestoreCheck(version, model_class, passed=True, remembered=True)
@@ -346,5 +364,5 @@ def checked(model: Any, binding: CacheBinding, records: CheckRecords | None = No
         else:
             logger.warning(result.warning)
             warnings.warn(result.warning, RestoreCheckWarning, stacklevel=4)
-    _CHECKED[key] = result
+    known[key] = result
     return result
