@@ -210,7 +210,10 @@ def test_a_remembered_pass_is_not_one_for_patched_layers(fresh_checks: Path) -> 
     forward = attention.forward
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
         assert fingerprint(model, cache.binding) == before
-        attention.forward = lambda *args, **kwargs: forward(*args, **kwargs)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return forward(*args, **kwargs)
+
+        attention.forward = wrapped
         replaced = fingerprint(model, cache.binding)
         del attention.forward
         handle = attention.register_forward_hook(lambda module, inputs, output: None)
