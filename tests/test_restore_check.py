@@ -36,10 +36,10 @@ from kvgroups.integrations.transformers.restore_check import (  # noqa: E402
     fingerprint,
 )
 from kvgroups.store import MemoryStore  # noqa: E402
+from tests.test_transformers_reuse import CHUNK, assert_same_answer, prompts  # noqa: E402
 from tests.tiny_models import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CHUNK = 8
 UNVERIFIED = "5.99.0"
 
 
@@ -82,22 +82,11 @@ def linear_layers_count_their_own_way(monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda self: getattr(self, "tokens_seen_v99", 0))
 
 
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(11)
-    first = torch.randint(3, 256, (40,), generator=generator)
-    return first, torch.cat([first[:3 * CHUNK + 3], torch.randint(3, 256, (13,), generator=generator)])
-
-
-def plain_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids[None], logits_to_keep=1).logits[0, -1]  # type: ignore[no-any-return]
-
-
-def same_answer(model: Any, cache: PrefixCache, ids: torch.Tensor, logits: torch.Tensor) -> None:
-    plain = plain_logits(model, ids)
-    assert (logits - plain).abs().max() <= 1e-5 * max(1.0, float(plain.abs().max()))
-    assert torch.equal(cache.generate(ids, max_new_tokens=12), model.generate(ids[None], max_new_tokens=12,
-                                                                                do_sample=False))
+def hit(cache: PrefixCache, first: torch.Tensor, second: torch.Tensor) -> Any:
+    """Request A stored, then request B's prefill (which shares A's first three chunks)."""
+    cache.prefill(first)
+    cache.flush()
+    return cache.prefill(second)
 
 
 def test_the_installed_transformers_is_verified_and_never_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,11 +98,9 @@ def test_the_installed_transformers_is_verified_and_never_checked(monkeypatch: p
 
     monkeypatch.setattr(prefix_cache, "checked", never)
     model = tiny_model("qwen3_next")
-    first, second = prompts()
+    first, second = prompts(seed=11)
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
-        cache.prefill(first)
-        cache.flush()
-        result = cache.prefill(second)
+        result = hit(cache, first, second)
         assert result.reused_tokens == 3 * CHUNK and cache.restore_check is None
 
 
@@ -121,14 +108,14 @@ def test_the_installed_transformers_is_verified_and_never_checked(monkeypatch: p
 def test_a_release_whose_restored_layers_differ_serves_no_hit_and_warns_once(
         caplog: pytest.LogCaptureFixture, fresh_checks: Path) -> None:
     model = tiny_model("qwen3_next")
-    first, second = prompts()
+    first, second = prompts(seed=11)
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
         cache.prefill(first)
         cache.flush()
         with caplog.at_level(logging.WARNING, logger="kvgroups"), pytest.warns(RestoreCheckWarning) as warned:
             result = cache.prefill(second)
         assert (result.reused_tokens, result.computed_tokens) == (0, len(second))
-        same_answer(model, cache, second, result.logits)
+        assert_same_answer(model, cache, second, result.logits)
         assert cache.restore_check is not None and not cache.restore_check.passed
         assert cache.restore_check.seconds > 0
         # One warning, naming the version, the model class and what differed.
@@ -151,14 +138,12 @@ def test_a_release_whose_restored_layers_differ_serves_no_hit_and_warns_once(
 def test_a_release_that_restores_right_is_checked_once_then_reuses(
         caplog: pytest.LogCaptureFixture, fresh_checks: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model("qwen3_next")
-    first, second = prompts()
+    first, second = prompts(seed=11)
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
-        cache.prefill(first)
-        cache.flush()
         with caplog.at_level(logging.INFO, logger="kvgroups"):
-            result = cache.prefill(second)
+            result = hit(cache, first, second)
         assert result.reused_tokens == 3 * CHUNK
-        same_answer(model, cache, second, result.logits)
+        assert_same_answer(model, cache, second, result.logits)
         assert cache.restore_check is not None and cache.restore_check.passed
         assert not cache.restore_check.remembered
         assert any("checked" in record.getMessage() and UNVERIFIED in record.getMessage()
@@ -179,9 +164,7 @@ def test_a_release_that_restores_right_is_checked_once_then_reuses(
     # check_restore would change the fingerprint and rightly cost a check)
     monkeypatch.setattr(restore_check.checked, "__defaults__", (None, never))
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
-        cache.prefill(first)
-        cache.flush()
-        assert cache.prefill(second).reused_tokens == 3 * CHUNK
+        assert hit(cache, first, second).reused_tokens == 3 * CHUNK
         assert cache.restore_check is not None and cache.restore_check.remembered
 
 
@@ -190,11 +173,9 @@ def test_a_remembered_pass_is_not_one_for_patched_layers(fresh_checks: Path) -> 
     """A pass remembered for the layers as they were does not serve layers patched since: the fingerprint
     holds their code (a hostile or stale record file is no pass either)."""
     model = tiny_model("qwen3_next")
-    first, second = prompts()
+    first, second = prompts(seed=11)
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
-        cache.prefill(first)
-        cache.flush()
-        assert cache.prefill(second).reused_tokens == 3 * CHUNK
+        assert hit(cache, first, second).reused_tokens == 3 * CHUNK
         before = fingerprint(model, cache.binding)
     with pytest.MonkeyPatch.context() as patch:
         original = LinearAttentionLayer.update_conv_state
@@ -243,12 +224,10 @@ def test_operators_who_verified_turn_the_check_off(how: str, monkeypatch: pytest
     if how == "environment":
         monkeypatch.setenv("KVGROUPS_RESTORE_CHECK", "0")
     model = tiny_model("qwen3_next")
-    first, second = prompts()
+    first, second = prompts(seed=11)
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK,
                      restore_check=False if how == "option" else None) as cache:
-        cache.prefill(first)
-        cache.flush()
-        assert cache.prefill(second).reused_tokens == 3 * CHUNK
+        assert hit(cache, first, second).reused_tokens == 3 * CHUNK
         assert cache.restore_check is None
 
 
@@ -260,11 +239,9 @@ def test_the_check_passes_where_reuse_is_right(model_type: str) -> None:
     generator = torch.Generator().manual_seed(3)
     long = torch.randint(3, 256, (40,), generator=generator)
     with PrefixCache(model, MemoryStore(), chunk_size=CHUNK) as cache:
-        cache.prefill(long)
-        cache.flush()
-        result = cache.prefill(long[:30])
+        result = hit(cache, long, long[:30])
         assert result.reused_tokens == 3 * CHUNK, cache.restore_check
-        same_answer(model, cache, long[:30], result.logits)
+        assert_same_answer(model, cache, long[:30], result.logits)
 
 
 def test_the_fingerprint_is_the_same_in_every_process() -> None:
