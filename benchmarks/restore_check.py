@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from prefix_reuse_demo import CHUNK, COMMON, MODELS, PROMPT, SHARED, build  # noqa: E402
 
-from kvgroups.integrations.transformers import PrefixCache, restore_check  # noqa: E402
+from kvgroups.integrations.transformers import PrefixCache, check_records, restore_check  # noqa: E402
 from kvgroups.store import MemoryStore  # noqa: E402
 
 UNVERIFIED = "5.99.0"
@@ -91,7 +91,7 @@ def main() -> None:
                 for variant in order:
                     records = remembered if variant == "remembered" or round_index == 0 else \
                         Path(directory) / f"{model_type}-{round_index}"
-                    os.environ[restore_check.DIRECTORY_VARIABLE] = str(records)  # where passes are remembered
+                    os.environ[check_records.DIRECTORY_VARIABLE] = str(records)  # where passes are remembered
                     measured[variant] = first_hit(model, first, second, variant, installed)
                 if round_index:
                     for variant, (seconds, _) in measured.items():

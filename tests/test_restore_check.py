@@ -29,12 +29,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer  # noqa: E402
 
 from kvgroups.integrations.transformers import PrefixCache, prefix_cache, restore_check  # noqa: E402
-from kvgroups.integrations.transformers.restore_check import (  # noqa: E402
-    VERIFIED_TRANSFORMERS,
-    CheckRecords,
-    RestoreCheckWarning,
-    fingerprint,
-)
+from kvgroups.integrations.transformers.check_records import CheckRecords, fingerprint  # noqa: E402
+from kvgroups.integrations.transformers.restore_check import VERIFIED_TRANSFORMERS, RestoreCheckWarning  # noqa: E402
 from kvgroups.store import MemoryStore  # noqa: E402
 from tests.test_transformers_reuse import CHUNK, assert_same_answer, prompts  # noqa: E402
 from tests.tiny_models import tiny_model  # noqa: E402
@@ -252,7 +248,7 @@ def test_the_fingerprint_is_the_same_in_every_process() -> None:
         transformers.logging.set_verbosity_error()
         from tests.tiny_models import tiny_model
         from kvgroups.integrations.transformers.cache_binding import CacheBinding
-        from kvgroups.integrations.transformers.restore_check import fingerprint
+        from kvgroups.integrations.transformers.check_records import fingerprint
         model = tiny_model("bamba")
         print(fingerprint(model, CacheBinding(model, 8, "name")))
     """)
