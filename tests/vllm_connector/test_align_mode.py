@@ -262,3 +262,54 @@ def test_a_synchronous_load_of_states_on_vllms_grid_loads_asynchronously(gemma3_
     assert harness.connector._scheduler.asynchronous
     assert "load_mode 'sync' is not safe for this model (vLLM would recompute a failed synchronous load from the " \
            "block before the state" in caplog.text
+
+
+def test_a_block_size_vllm_resets_in_its_engine_core_process_is_set_back(gemma3_dir: Path, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's engine-core process (vllm serve, LLM with multiprocessing) runs VllmConfig.__post_init__ again
+    once the scheduler holds the config, and on the CPU platform that resets the block size vLLM chose for
+    a hybrid (384 for a qwen3-next-like model) to 128: the scheduler then ended prefill steps off the
+    states' grid, kept no state at any chunk's end, and every chunk was saved without one (issue 43).
+    Here the grid is 16 and the reset makes it 10: the connector sets it back before the first step is
+    cut, says so once, and the states are saved and served as on the grid."""
+    tokens = prompt(100)
+    extra = file_store(tmp_path, chunk_size=None)
+    filler, first, model = engine(gemma3_dir, extra, ["mamba", "full"], seed=0)
+    filler.scheduler.cache_config.block_size = 10  # what EngineCoreProc's second __post_init__ does
+    with caplog.at_level(logging.WARNING, logger="kvgroups"):
+        filler.add("fill", tokens)
+        steps = filler.run(first, forward=model)
+    assert filler.scheduler.cache_config.block_size == BLOCK
+    set_back = [record.getMessage() for record in caplog.records if "set back to 16" in record.getMessage()]
+    assert len(set_back) == 1 and "block_size is 10" in set_back[0]
+    saves = [save for step in steps for save in step.metadata.saves]
+    assert [(save.chunks, save.step_end) for save in saves] == [(tuple(range(6)), 96)]
+    assert filler.connector._scheduler.counts.stateless_saves == 0
+
+    harness, second, model = engine(gemma3_dir, extra, ["mamba", "full"], seed=1)
+    harness.scheduler.cache_config.block_size = 10
+    harness.add("reuse", tokens)
+    _, computed, load = harness.admit(second, "reuse", forward=model)
+    assert computed == 96 and load.num_tokens == 96
+    assert all((page == seen(96)).all() for page in state_pages(second, load.block_ids[0][96 // BLOCK - 1]))
+
+
+def test_chunks_saved_without_their_state_are_counted_and_said_once(gemma3_dir: Path, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Prefix caching off (mamba_cache_mode "none"): a state exists only where a step ends, so a prompt computed
+    in one step of 100 tokens saves chunks 0-2 (of 32) with K/V only and no state at any of their ends. Each
+    such step's saves are counted (none can end a hit), and the first is a warning: a hybrid whose states
+    are never saved is never silent."""
+    kv = cache_config(["mamba", "full"], block_size=BLOCK)
+    settings = vllm_config(gemma3_dir, file_store(tmp_path), block_size=BLOCK)
+    harness, worker = SchedulerHarness(settings, kv), FakeWorker(settings, kv, seed=0)
+    with caplog.at_level(logging.WARNING, logger="kvgroups"):
+        harness.add("fill", prompt(100))
+        harness.add("again", prompt(100, seed=5))
+        steps = harness.run(worker)
+    saves = [save for step in steps for save in step.metadata.saves]
+    assert sorted((save.chunks, save.step_end) for save in saves) == [((0, 1, 2), 100), ((0, 1, 2), 100)]
+    assert harness.connector._scheduler.counts.stateless_saves == 2
+    said = [record.getMessage() for record in caplog.records if "without a recurrent state" in record.getMessage()]
+    assert len(said) == 1 and "kvgroups_stateless_saves_total" in said[0], caplog.text
+    assert connector_stats(steps, worker).data["counters"]["stateless_saves"] == 2

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvgroups.store import FileStore
 from tests.servers import free_port
 
@@ -49,8 +51,21 @@ def serve_command(model: Path, port: int, store: str) -> list[str]:
             "--max-num-seqs", "4", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(connector)]
 
 
+def hybrid_serve_command(model: Path, port: int, store: str) -> list[str]:
+    """A hybrid as users serve it: vLLM's defaults (prefix caching on, so mamba "align" mode; vLLM's block
+    size, 384 for this model; the chunk size following it), bf16 with float32 states."""
+    connector = {"kv_connector": "KVGroupsConnector", "kv_connector_module_path": "kvgroups.integrations.vllm",
+                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                 "kv_connector_extra_config": {"store": store}}
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--mamba-ssm-cache-dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+            "--max-model-len", "2048", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(connector)]
+
+
 @contextmanager
-def served(model: Path, store: str, log: Path) -> Iterator[str]:
+def served(model: Path, store: str, log: Path,
+           command: Callable[[Path, int, str], list[str]] = serve_command) -> Iterator[str]:
     """The server's base URL once /health answers; stopped (SIGINT, then killed) after."""
     port = free_port()
     # This checkout's source first, whatever the environment has installed.
@@ -59,7 +74,7 @@ def served(model: Path, store: str, log: Path) -> Iterator[str]:
                    "VLLM_LOGGING_LEVEL": "DEBUG",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     with open(log, "w") as output:
-        server = subprocess.Popen(serve_command(model, port, store), cwd=ROOT, env=environment, stdout=output,
+        server = subprocess.Popen(command(model, port, store), cwd=ROOT, env=environment, stdout=output,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -194,3 +209,30 @@ def test_vllm_serve_reuses_a_prefix_and_reports_it(tmp_path: Path, gemma3_dir: P
             assert metric in shown, f"{metric} is not on /metrics"
         else:
             assert shown.get(metric) == number, f"docs/metrics.md shows {line}; /metrics has {shown.get(metric)}"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next"])
+def test_two_servers_share_a_hybrids_states_under_vllms_defaults(kind: str, tmp_path: Path) -> None:
+    """A hybrid (gated DeltaNet, or Mamba-2, beside full attention) under `vllm serve` with vLLM's defaults: the
+    first server saves the states with the K/V, a second server on the same store loads every full chunk of
+    vLLM's grid in the prompt and answers as the first, which computed it all (issue 43: vLLM's engine-core
+    process reset the block size its scheduler cuts prefill steps on, and no state was ever saved)."""
+    from tests.vllm_connector.tiny_vllm_models import save_model
+
+    model = save_model(kind, tmp_path / kind)
+    directory = tmp_path / "kv"
+    store = f"file://{directory}"
+    tokens = _tokens(9, 900)
+    with served(model, store, tmp_path / "first.log", hybrid_serve_command) as base:
+        first = complete(base, tokens)
+        wait_for_entries(directory, 2)  # at least a chunk's K/V and the state at its end
+        assert value(kvgroups_lines(base), "vllm:kvgroups_stateless_saves_total") == 0
+    grid = int(re.findall(r"recurrent states are kept every (\d+) tokens", (tmp_path / "first.log").read_text())[0])
+    with served(model, store, tmp_path / "second.log", hybrid_serve_command) as base:
+        second = complete(base, tokens)
+        lines = kvgroups_lines(base)
+    every_full_chunk = (len(tokens) - 1) // grid * grid
+    assert every_full_chunk > 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == every_full_chunk
+    assert value(lines, "vllm:kvgroups_loaded_tokens_total") == every_full_chunk
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]

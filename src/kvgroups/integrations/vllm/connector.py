@@ -73,7 +73,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.deployment, kv_cache_config)
+            self._scheduler = SchedulerSide(self.deployment, kv_cache_config, vllm_config.cache_config)
             self._warn_about_failures(policy)
             untested = untested_warning(vllm.__version__)
             if untested:  # once per engine: the scheduler's connector is the one of its kind

@@ -106,12 +106,24 @@ class SavePlan:
                 how = {"slot_mapping": torch.from_numpy(slots)}
             elif (engine_group.index, end) in handed:
                 how = {"state_indices": [handed[engine_group.index, end]]}
-            elif self.step_end == end and engine_group.state_mode in STATE_MODES:
+            elif self._state_at(engine_group, end):
                 how = {"state_indices": [engine_group.state_block(block_ids, end)]}
             else:
                 continue
             packs.update({member: how for member in engine_group.members if member in owned})
         return packs
+
+    def _state_at(self, engine_group: EngineGroup, end: int) -> bool:
+        """Whether this step's running state of ``engine_group`` is the state after ``end`` tokens."""
+        return self.step_end == end and engine_group.state_mode in STATE_MODES
+
+    def stores_no_state(self, engine_groups: Sequence[EngineGroup], chunk_size: int) -> bool:
+        """Whether some recurrent group has its state at the end of none of this plan's chunks: no chunk these
+        saves store can end a hit (vLLM ended this step, and handed over a state, off every chunk's end)."""
+        handed = {(group, tokens) for group, tokens, _ in self.boundary_states}
+        ends = [(chunk + 1) * chunk_size for chunk in self.chunks]
+        return any(not any((group.index, end) in handed or self._state_at(group, end) for end in ends)
+                   for group in engine_groups if not group.token_indexed)
 
 
 @dataclass

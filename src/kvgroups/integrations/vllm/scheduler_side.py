@@ -63,8 +63,13 @@ class _RequestState:
 class SchedulerSide:
     """Lookups against every rank's chunks, load and save plans, per-request state."""
 
-    def __init__(self, deployment: Deployment, kv_cache_config: Any = None) -> None:
+    def __init__(self, deployment: Deployment, kv_cache_config: Any = None, cache_config: Any = None) -> None:
         self.deployment = deployment
+        # vLLM's cache config, whose block size its scheduler ends "align"-mode prefill steps on; it must stay
+        # the recurrent groups' (keep_state_grid).
+        self._cache_config = cache_config
+        self._state_grid = next((group.block_size for group in deployment.plan.engine_groups
+                                 if group.states_on_block_grid), None)
         self.chunk_size = deployment.settings.chunk_size
         self.store = open_store(list(deployment.settings.stores))
         self.rank_stores = [
@@ -115,6 +120,7 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store serves, and whether they load asynchronously;
         None while the request's lookup runs in the background (vLLM asks again next step)."""
+        self.keep_state_grid()  # (asked before the scheduler cuts a request's first step)
         state = self._state_of(request)
         if (state is None or not state.may_load or state.load_failed or not self.deployment.is_consumer
                 or self.deployment.unservable):
@@ -176,6 +182,7 @@ class SchedulerSide:
 
     # --- plans ------------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> KVGroupsConnectorMetadata:
+        self.keep_state_grid()
         metadata = KVGroupsConnectorMetadata(idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         # Asynchronous loads are not scheduled this step (their requests wait for them): each plan
         # carries its blocks.
@@ -218,12 +225,43 @@ class SchedulerSide:
                                       for group, block, tokens in boundary_states.get(request_id, ())
                                       if block and tokens % self.chunk_size == 0),
             ))
+            self._count_stateless(plan)
             if self.events is not None:
                 self.events.saving(state.request, plan)
         if self.events is not None:
             for load in metadata.loads:
                 self.events.loading(self._requests[load.request_id].request, load)
         return metadata
+
+    def _count_stateless(self, plan: SavePlan) -> None:
+        """Count a step's saves of a hybrid that stored no recurrent state, and say so the first time: no chunk
+        they store can end a hit, and nothing else would show it."""
+        if not plan.stores_no_state(self.deployment.plan.engine_groups, self.chunk_size):
+            return
+        if not self.counts.stateless_saves:
+            logger.warning("KVGroupsConnector: request %s saved chunks %s without a recurrent state at any of their "
+                           "ends (vLLM ended its step at token %d and kept no state on a chunk boundary): none of "
+                           "them can end a hit. Counted in kvgroups_stateless_saves_total", plan.request_id,
+                           list(plan.chunks), plan.step_end)
+        self.counts.stateless_saves += 1
+
+    def keep_state_grid(self) -> None:
+        """Put vLLM's ``cache_config.block_size`` back to the recurrent groups' block size where it differs.
+
+        In ``mamba_cache_mode`` "align" vLLM's scheduler ends prefill steps, and keeps states, on
+        ``cache_config.block_size`` (``Scheduler._mamba_block_aligned_split``). vLLM resolves it to the
+        hybrid's block size (384 for a qwen3-next-like model), but its engine-core process
+        (``EngineCoreProc``, as under ``vllm serve`` or ``LLM`` with multiprocessing) runs
+        ``VllmConfig.__post_init__`` again after its handshake, once the scheduler holds the config, and
+        there the CPU platform resets a block size the user did not set to 128: steps then end off the
+        states' grid, and no chunk's state is ever kept (vLLM 0.32). The in-process engine keeps 384."""
+        config = self._cache_config
+        if config is None or self._state_grid is None or config.block_size == self._state_grid:
+            return
+        logger.warning("KVGroupsConnector: vLLM's cache_config.block_size is %s in the scheduler's process, but its "
+                       "recurrent states are kept every %d tokens; set back to %d so that prefill steps end where "
+                       "states are kept", config.block_size, self._state_grid, self._state_grid)
+        config.block_size = self._state_grid
 
     def update(self, connector_output: Any) -> None:
         """A step's results: failed loads are not offered the store again; events learn what was written."""

@@ -27,6 +27,7 @@ CONNECTOR_COUNTERS = {
     "continued_hits": "requests whose store hit continued a hit of vLLM's own prefix cache",
     "continued_local_tokens": "of those requests' prompts, the tokens vLLM's own prefix cache served",
     "continued_store_tokens": "of those requests' prompts, the tokens the store served after them",
+    "stateless_saves": "a hybrid's saves (one request's step) that stored no recurrent state: none can end a hit",
 }
 
 
@@ -37,6 +38,7 @@ class ConnectorCounts:
     continued_hits: int = 0
     continued_local_tokens: int = 0
     continued_store_tokens: int = 0
+    stateless_saves: int = 0
 
     def continued(self, local_tokens: int, store_tokens: int) -> None:
         """A hit of ``store_tokens`` from the store planned after ``local_tokens`` of vLLM's own."""
