@@ -67,24 +67,25 @@ def _functions(namespace: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
             yield name, code
 
 
+def _own_modules() -> Iterator[Any]:
+    """This package's modules a restore runs through (those imported)."""
+    return (sys.modules[name] for name in _OWN_MODULES if name in sys.modules)
+
+
 def _own_namespaces() -> Iterator[Mapping[str, Any]]:
     """This package's modules a restore runs through, and their classes."""
-    for name in _OWN_MODULES:
-        module = sys.modules.get(name)
-        if module is None:
-            continue
+    for module in _own_modules():
         yield vars(module)
         yield from (vars(value) for value in vars(module).values()
-                    if isinstance(value, type) and value.__module__ == name)
+                    if isinstance(value, type) and value.__module__ == module.__name__)
 
 
 def _own_constants(digest: Any) -> None:
     """The plain values this package's modules hold (TOKEN_COUNTERS, ...): set differently, another fingerprint."""
-    for name in _OWN_MODULES:
-        module = sys.modules.get(name)
-        for key, value in sorted(vars(module).items()) if module is not None else ():
+    for module in _own_modules():
+        for key, value in sorted(vars(module).items()):
             if not key.startswith("__") and isinstance(value, str | int | float | tuple):
-                digest.update(f"{name}.{key}={value!r}".encode())
+                digest.update(f"{module.__name__}.{key}={value!r}".encode())
 
 
 def _instance_functions(model: Any) -> Iterator[Mapping[str, Any]]:

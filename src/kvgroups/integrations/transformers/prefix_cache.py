@@ -25,6 +25,7 @@ from kvgroups.integrations.transformers.restore_check import (
     RestoreCheck,
     check_enabled,
     checked,
+    continue_forward,
     continue_generate,
     needs_check,
 )
@@ -91,9 +92,8 @@ class PrefixCache:
                  secret: str | bytes | StoreSecret | None = None, encrypt: bool = False,
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, restore_check: bool | None = None) -> None:
         check_supported(model)
-        # Read now, not at import: what decides whether this model's hits wait for a check.
-        self.transformers_version = transformers.__version__
-        self._check_restores = needs_check(self.transformers_version) and check_enabled(restore_check)
+        # The version read now, not at import: whether this model's hits wait for a check.
+        self._check_restores = needs_check(transformers.__version__) and check_enabled(restore_check)
         self.model = model
         self.chunk_size = chunk_size
         self.device = next(model.parameters()).device
@@ -148,10 +148,7 @@ class PrefixCache:
                 # after it; a recurrent state exists only at the end of a forward, and a sliding layer
                 # drops tokens, so models with either compute one chunk per forward.
                 end = total if self.binding.keeps_every_token else min(total, (position // chunk + 1) * chunk)
-                output = self.model(
-                    input_ids=ids[None, position:end], cache=cache, use_cache=True, logits_to_keep=1,
-                    position_ids=torch.arange(position, end, device=self.device)[None],
-                )
+                output = continue_forward(self.model, ids[position:end], cache, position)
                 cache, logits = output.cache, output.logits
                 # Save every chunk this forward completed.
                 completed = range(position // chunk, end // chunk)

@@ -93,12 +93,15 @@ def _prompt(model: Any, length: int, device: torch.device) -> torch.Tensor:
     return torch.randint(low, vocab, (length,), generator=generator).to(device)
 
 
+def continue_forward(model: Any, ids: torch.Tensor, cache: Any, start: int) -> Any:
+    """The model's output for ``ids`` continuing ``cache`` at position ``start``, with explicit positions and
+    the last position's logits: how PrefixCache computes a prompt, and the check continues one."""
+    return model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=1,
+                 position_ids=torch.arange(start, start + len(ids), device=ids.device)[None])
+
+
 def _forward(model: Any, ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
-    """The last position's logits of ``ids`` continuing ``cache`` at position ``start`` (as PrefixCache runs)."""
-    end = start + len(ids)
-    output = model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=1,
-                   position_ids=torch.arange(start, end, device=ids.device)[None])
-    return output.logits[0, -1].float()  # type: ignore[no-any-return]
+    return continue_forward(model, ids, cache, start).logits[0, -1].float()  # type: ignore[no-any-return]
 
 
 def says_its_length(cache: Any) -> bool:
