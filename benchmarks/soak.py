@@ -56,7 +56,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
-from benchmarks.soak_report import CONNECTOR_COUNTERS, TIE_LOGPROB, Outcome, SoakReport, counter  # noqa: E402
+from benchmarks.soak_report import (  # noqa: E402
+    CONNECTOR_COUNTERS,
+    RECOVERY_WINDOW,
+    TIE_LOGPROB,
+    Outcome,
+    SoakReport,
+    counter,
+)
 from tests.servers import free_port, running_cluster  # noqa: E402
 
 CHUNK = 64
@@ -290,10 +297,14 @@ class Soak:
             self.samples.setdefault("cluster", []).append({"time": time.monotonic(), "used": max(used)})
 
     # --- the run -----------------------------------------------------------------------------------
+    def timing(self) -> tuple[float, float, float]:
+        """Seconds of warm-up before the first fault, each fault's length, and the least gap after each."""
+        return (30.0, 8.0, 12.0) if self.arguments.quick else (180.0, 45.0, 75.0)
+
     def schedule(self, faults: list[Fault]) -> list[tuple[float, float, Fault]]:
         """(start, end, fault) in seconds from the start: every fault once per cycle, after a warm-up."""
         quick = self.arguments.quick
-        warm, length, gap = (30.0, 8.0, 12.0) if quick else (180.0, 45.0, 75.0)
+        warm, length, gap = self.timing()
         total = self.arguments.minutes * 60
         plan: list[tuple[float, float, Fault]] = []
         at = warm
@@ -353,7 +364,15 @@ class Soak:
         for thread in (*clients, sampler):
             thread.start()
         try:
-            for start, end, fault in plan:
+            undone, gap = 0.0, self.timing()[2]
+            for planned_start, planned_end, fault in plan:
+                late = 0.0
+                if self.faults_run:
+                    # A fault whose undoing ran long (a master restarted under CI's load) pushes the rest of the
+                    # plan back: hits' return after it is measured before the next fault begins.
+                    late = max(0.0, undone + gap - planned_start,
+                               self._await_answers_after(undone) - planned_start)
+                start, end = planned_start + late, planned_end + late
                 self._sleep_until(start)
                 injected = time.monotonic() - self.start
                 print(f"[{injected:7.1f} s] {fault.name}: {fault.what}", flush=True)
@@ -367,7 +386,7 @@ class Soak:
                                             "end": undone})
                 print(f"[{undone:7.1f} s] {fault.name}: undone", flush=True)
             # The last fault's recovery is measured too, however long its undoing took (a server's start-up).
-            self._sleep_until(max(arguments.minutes * 60, time.monotonic() - self.start + TAIL_SECONDS))
+            self._sleep_until(max(arguments.minutes * 60, self._await_answers_after(undone) + TAIL_SECONDS))
         except KeyboardInterrupt:
             # An hour's run stopped early still says what it saw, and fails: it is not the run asked for.
             self.interrupted_at = time.monotonic() - self.start
@@ -379,6 +398,18 @@ class Soak:
                 thread.join(timeout=arguments.timeout + 30)
         metrics = {name: server.metrics() for name, server in servers.items() if server.up.is_set()}
         return self.report(metrics)
+
+    def _await_answers_after(self, at: float) -> float:
+        """Wait until RECOVERY_WINDOW answered requests were sent after ``at`` (seconds into the run), at most
+        ``--timeout`` seconds; return when that was, in seconds into the run."""
+        deadline = time.monotonic() + self.timeout
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            with self.lock:
+                answered = sum(outcome.ok and outcome.started - self.start >= at for outcome in self.outcomes)
+            if answered >= RECOVERY_WINDOW:
+                break
+            time.sleep(0.2)
+        return time.monotonic() - self.start
 
     def _sleep_until(self, at: float) -> None:
         while time.monotonic() - self.start < at and not self.stopping.is_set():

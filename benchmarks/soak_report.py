@@ -122,6 +122,9 @@ class SoakReport:
             if back is None and len(after) >= RECOVERY_WINDOW:
                 problems.append(f"{fault['fault']}: caches did not serve {0.8 * steady_share:.2f} of prompts within "
                                 f"{RECOVERY_REQUESTS} requests after it ended")
+            elif back is None and self.interrupted_at is None:
+                problems.append(f"{fault['fault']}: hits' return not measured: {len(after)} requests answered "
+                                f"between its end and the next fault, {RECOVERY_WINDOW} needed")
             row = {"fault": fault["fault"], "requests": len(during), "errors": len(errors),
                    "killed server's": len(down), "differ": len(differs),
                    "ties": sum(outcome.tie for outcome in during),
