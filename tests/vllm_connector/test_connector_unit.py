@@ -7,6 +7,7 @@ plays two engine lifetimes: one fills the store, a fresh scheduler and fresh cac
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -376,7 +377,7 @@ def test_the_model_identity_follows_the_weights_not_their_path(gemma3_dir: Path,
     extra = file_store(tmp_path)
     original = model_identity(vllm_config(gemma3_dir, extra))
     assert model_identity(vllm_config(copy, extra)) == original
-    version = ".".join(vllm.__version__.split(".")[:2])  # 0.32 (the CPU build) or 0.33
+    version = ".".join(vllm.__version__.split(".")[:2])  # 0.32 (the CPU build), 0.33 or 0.34
     assert original.startswith(f"{gemma3_dir.name}|weights-") and original.endswith(
         f"|vllm-{version}|torch.float32|quantization-none")
     # A fine-tune written over the copy: same names and sizes, other bytes.
@@ -673,3 +674,28 @@ def test_a_vllm_release_the_tests_never_ran_against_is_named_once_at_start_up(
     assert named == ([] if release(version) in TESTED_VLLM else [named[0]])
     if named:
         assert f"vLLM {version} " in named[0] and all(tested in named[0] for tested in TESTED_VLLM)
+
+
+@pytest.mark.parametrize(("spec_class", "field_name", "refused"), [
+    ("FullAttentionSpec", "non_causal", r"non_causal: its attention reads tokens after each one"),
+    ("FullAttentionSpec", "kv_head_major_slots", r"kv_head_major_slots: its page slots are grouped by KV head"),
+    ("MLAAttentionSpec", "non_causal_multi_token_decode",
+     r"non_causal_multi_token_decode: its decode rows attend to tokens after them"),
+])
+def test_spec_fields_that_change_what_a_page_holds_are_refused_by_name(spec_class: str, field_name: str,
+                                                                       refused: str) -> None:
+    """Fields vLLM added to its specs (0.34: kv_head_major_slots; non_causal_multi_token_decode on MLA) or that
+    a plan ignoring them would store wrongly: each refuses the layer, naming itself, on the releases that have it."""
+    from vllm.v1 import kv_cache_interface
+
+    from kvgroups.integrations.vllm.engine_groups import layer_plan
+
+    cls = getattr(kv_cache_interface, spec_class)
+    if field_name not in {field.name for field in dataclasses.fields(cls)}:
+        pytest.skip(f"vLLM {vllm.__version__}'s {spec_class} has no {field_name}")
+    arguments = {"block_size": 16, "num_kv_heads": 1 if spec_class == "MLAAttentionSpec" else 2, "head_size": 64,
+                 "dtype": torch.float32}
+    layout = KVLayout.MLA if spec_class == "MLAAttentionSpec" else KVLayout.VLLM
+    assert layer_plan("model.layers.0.attn", cls(**arguments), layout).name == "model.layers.0.attn"
+    with pytest.raises(UnsupportedCacheError, match=rf"layer 'model.layers.0.attn' \({spec_class}\): {refused}"):
+        layer_plan("model.layers.0.attn", cls(**arguments, **{field_name: True}), layout)

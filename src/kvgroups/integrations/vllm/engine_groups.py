@@ -243,6 +243,16 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
         problems.append("its sparse top-k indices buffer is kept beside the page")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
         problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state)")
+    if getattr(spec, "kv_head_major_slots", False):  # vLLM 0.34
+        problems.append("kv_head_major_slots: its page slots are grouped by KV head (H2ND), not the layout "
+                        "kvgroups reads")
+    # A token's K/V in a layer after a non-causal one depends on tokens after it: no prefix stands alone.
+    if getattr(spec, "non_causal", False):
+        problems.append("non_causal: its attention reads tokens after each one, so a prefix's K/V depends on what "
+                        "follows it")
+    if getattr(spec, "non_causal_multi_token_decode", False):  # on MLA specs from vLLM 0.34
+        problems.append("non_causal_multi_token_decode: its decode rows attend to tokens after them, so a "
+                        "prefix's K/V depends on what follows it")
     if problems:
         raise UnsupportedCacheError(f"layer {name!r} ({type(spec).__name__}): " + "; ".join(problems))
     if is_mla:

