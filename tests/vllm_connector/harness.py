@@ -111,13 +111,16 @@ def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, nu
 
 def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
                 role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False,
-                tp: int = 1, kv_events: bool = False, retention_interval: int | None = 0) -> VllmConfig:
+                tp: int = 1, kv_events: bool = False, retention_interval: int | None = 0, max_num_seqs: int = 8,
+                inflight_kv_loads: int | None = None) -> VllmConfig:
     """``retention_interval``: vLLM's ``prefix_cache_retention_interval`` (its default, 0, keeps a
-    recurrent state only where a request may resume; None keeps every one)."""
+    recurrent state only where a request may resume; None keeps every one). ``inflight_kv_loads``:
+    vLLM 0.34's ``max_num_inflight_kv_loads`` (set, loads may start while the running batch is full)."""
     model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
-    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=MAX_MODEL_LEN,
-                                enable_chunked_prefill=True, is_encoder_decoder=False,
-                                disable_hybrid_kv_cache_manager=None)
+    inflight = {"max_num_inflight_kv_loads": inflight_kv_loads} if inflight_kv_loads is not None else {}
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True, is_encoder_decoder=False,
+                                disable_hybrid_kv_cache_manager=None, **inflight)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
                         prefix_cache_retention_interval=retention_interval)
     cache.kv_cache_layout = "LBHNC"  # resolved by the engine core before connectors exist

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvgroups.integrations.vllm.lookups import Lookups, all_tiers_local
+from kvgroups.integrations.vllm.lookups import KnownPrefixes, Lookups, all_tiers_local
 from tests.vllm_connector.harness import FakeWorker, SchedulerHarness, cache_config, prompt, vllm_config
 
 CHUNK = 32
@@ -92,6 +92,36 @@ def test_background_lookups_run_on_a_bounded_pool_and_overflow_as_misses() -> No
     finally:
         release.set()
         lookups.close()
+
+
+def test_a_lookup_started_ahead_is_collected_once_and_inline_ones_never_run_ahead() -> None:
+    calls: list[str] = []
+    inline = Lookups(background=False)
+    inline.start("a", lambda: calls.append("inline") or 5)
+    assert inline.known("a") is None and calls == []  # run only when the scheduler asks
+    background = Lookups(background=True)
+    try:
+        background.start("a", lambda: calls.append("background") or 7)
+        background.start("a", lambda: calls.append("again") or 0)  # already running: not twice
+        deadline = time.monotonic() + 10
+        while background.known("a") is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert background.known("a") == 7 and background.answer("a", lambda: 0) == 7 and calls == ["background"]
+    finally:
+        background.close()
+
+
+def test_known_prefixes_count_leading_keys_and_forget_the_oldest() -> None:
+    known = KnownPrefixes(capacity=3)
+    known.add(["k0", "k1"])
+    assert known.depth(["k0", "k1", "k2"]) == 2 and known.depth(["k1", "k0"]) == 2 and known.depth(["x", "k0"]) == 0
+    known.add(["k2"])
+    known.add(["k0"])  # seen again: the newest
+    known.add(["k3"])  # over capacity: k1, the oldest, goes
+    assert len(known) == 3 and known.depth(["k0"]) == 1 and known.depth(["k1"]) == 0
+    assert known.depth(["k2", "k3", "k0"]) == 3
+    known.clear()
+    assert known.depth(["k0"]) == 0
 
 
 def test_a_failing_lookup_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:

@@ -110,6 +110,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         worker.register(kv_caches)
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
+        """vLLM 0.34: the workers copy into and out of the KV cache with torch ops in their own process (no
+        registration with UCX or RDMA, no export to another process): any allocation works."""
+        from vllm.config import kv_transfer  # noqa: PLC0415 (KVCacheAccess is vLLM 0.34's; only 0.34 asks)
+
+        return kv_transfer.KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.34: no. With EAGLE's block drop vLLM can hash each block with the tokens after it that its
+        drafter's K/V read; a stored chunk's key covers its own tokens only, so a hit could hand the drafter
+        K/V computed before other tokens. False keeps vLLM's block hashes to each block's own tokens."""
+        return False
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
         """vLLM 0.33's sleep mode frees and remaps the caches: the two hooks below follow it."""
         return True
@@ -172,6 +187,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34: whether ``request``'s load may start while the running batch is full."""
+        return self._scheduler_side().may_load_async(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler_side().update_state_after_alloc(request, num_external_tokens)

@@ -7,12 +7,18 @@ machine (files) that is a few ``stat`` calls, answered at once; on a server (Val
 round trip that may hang, so it runs in one of a few background threads and the request is
 answered ``None`` ("ask again") until it is done, as vLLM's connector API allows. Each request's
 answer is kept until the request finishes, so a request is looked up once.
+
+:class:`KnownPrefixes` remembers which prefix keys this process saw stored (a lookup found them, a
+step saved them), so that vLLM's ``may_load_async``, asked for every arriving request, can guess a hit
+from a few hashes and a dictionary, never the store.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
@@ -23,6 +29,8 @@ LOOKUP_THREADS = 2
 MAX_PENDING_LOOKUPS = 256
 # Tiers answered at once: reading existence there is a few system calls on this machine.
 _LOCAL_SCHEMES = ("file:", "memory:")
+# Prefix keys KnownPrefixes keeps, the most recently seen: about 5 MiB of 64-character keys.
+MAX_KNOWN_PREFIXES = 1 << 15
 
 
 def all_tiers_local(urls: Sequence[str]) -> bool:
@@ -50,22 +58,37 @@ class Lookups:
 
     def answer(self, request_id: str, lookup: Callable[[], int]) -> int | None:
         """The hit of ``request_id``: ``lookup()``'s answer, computed once; None while it runs."""
-        answer = self._answers.get(request_id)
+        answer = self.known(request_id)
         if answer is not None:
             return answer
         if self._pool is None:
             answer = self._answers[request_id] = self._guarded(request_id, lookup)
             return answer
-        future = self._pending.get(request_id)
-        if future is None:
+        if request_id not in self._pending:
             if len(self._pending) >= self.max_pending:
                 self.overflows += 1
                 logger.debug("request %s: %d lookups pending, answered as a miss", request_id, len(self._pending))
                 answer = self._answers[request_id] = 0
                 return answer
             self._pending[request_id] = self._pool.submit(self._guarded, request_id, lookup)
-            return None
-        if not future.done():
+        return None
+
+    def start(self, request_id: str, lookup: Callable[[], int]) -> None:
+        """Start ``request_id``'s lookup in the background now, so that its answer may be ready when vLLM
+        first asks; nothing where lookups run inline (they never run ahead of the scheduler's question)
+        or the queue is full."""
+        if (self._pool is not None and request_id not in self._answers and request_id not in self._pending
+                and len(self._pending) < self.max_pending):
+            self._pending[request_id] = self._pool.submit(self._guarded, request_id, lookup)
+
+    def known(self, request_id: str) -> int | None:
+        """``request_id``'s answer if it is known (a finished background lookup collected), else None; starts
+        nothing."""
+        answer = self._answers.get(request_id)
+        if answer is not None:
+            return answer
+        future = self._pending.get(request_id)
+        if future is None or not future.done():
             return None
         del self._pending[request_id]
         answer = self._answers[request_id] = future.result()
@@ -93,3 +116,37 @@ class Lookups:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class KnownPrefixes:
+    """Prefix keys seen stored by this process, the newest ``capacity`` kept (thread-safe: background
+    lookups add to it). A guess, never a promise: an entry evicted or written by a step whose save
+    failed is still here, and a hit is only ever served after a lookup."""
+
+    def __init__(self, capacity: int = MAX_KNOWN_PREFIXES) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def depth(self, keys: Sequence[str]) -> int:
+        """How many of ``keys`` (a prompt's prefix keys, in order) are known from the first on."""
+        with self._lock:
+            for index, key in enumerate(keys):
+                if key not in self._keys:
+                    return index
+            return len(keys)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._keys.clear()
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -14,50 +14,20 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.events import StoreEvents
-from kvgroups.integrations.vllm.lookups import Lookups, all_tiers_local
+from kvgroups.integrations.vllm.lookups import KnownPrefixes, Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
+from kvgroups.integrations.vllm.request_state import RequestState, request_options
 from kvgroups.integrations.vllm.stats import ConnectorCounts, StatsReporter
 from kvgroups.store.chunk_store import KVChunkStore
 from kvgroups.store.urls import open_store
 
 logger = logging.getLogger(__name__)
-
-
-def request_options(request: Any) -> tuple[bool, bool]:
-    """Whether the store may serve and may save ``request``: ``kv_transfer_params={"kvgroups": {"load":
-    bool, "save": bool}}`` (both True when absent) turns either off for one request."""
-    params = getattr(request, "kv_transfer_params", None)
-    options = params.get("kvgroups") if isinstance(params, dict) else None
-    if options is None:
-        return True, True
-    if not isinstance(options, dict) or set(options) - {"load", "save"} or not all(
-            isinstance(value, bool) for value in options.values()):
-        # Raising here would stop the engine for every request; this one just gets the defaults.
-        logger.warning("request %s: kv_transfer_params['kvgroups'] must be {'load': bool, 'save': bool}, got %r; "
-                       "ignored", request.request_id, options)
-        return True, True
-    return options.get("load", True), options.get("save", True)
-
-
-@dataclass
-class _RequestState:
-    request: Any
-    tokens: np.ndarray  # prompt token ids, uint32
-    salt: str
-    may_load: bool = True
-    may_save: bool = True
-    queried_local: int = 0  # the local (vLLM prefix cache) hit the lookup was asked after
-    load: tuple[int, int] | None = None  # (num_tokens, local_tokens) to load in the next plan
-    load_failed: bool = False  # a load of this request failed: the store is not offered again
-    planned: set[int] = field(default_factory=set)  # chunks already planned for saving
-    chunk_tiers: tuple[str, ...] = ()  # the tier serving each chunk of the stored prefix (set by its lookup)
 
 
 class SchedulerSide:
@@ -77,10 +47,11 @@ class SchedulerSide:
                          salt=deployment.settings.salt, secret=deployment.settings.secret)
             for rank in range(deployment.world_size)
         ]
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._kv_cache_manager: Any = None
         self.asynchronous = deployment.load_asynchronously
         self.lookups = Lookups(background=not all_tiers_local(deployment.settings.stores))
+        self.known = KnownPrefixes()  # what may_load_async guesses from
         self._async_loads: list[str] = []  # requests whose asynchronous load the next plan starts
         self._generation = ""  # after a reset (new weights), a salt of this process's own in every key
         self._tier_names = [tier.tier_name for tier in self.store.tiers]  # fastest first
@@ -104,7 +75,7 @@ class SchedulerSide:
             self.events.bind_block_pool(getattr(kv_cache_manager, "block_pool", None))
 
     # --- lookups ----------------------------------------------------------------------------
-    def _state_of(self, request: Any) -> _RequestState | None:
+    def _state_of(self, request: Any) -> RequestState | None:
         state = self._requests.get(request.request_id)
         if state is None:
             salt = request_salt(request)
@@ -112,7 +83,7 @@ class SchedulerSide:
                 return None
             salt += self._generation
             may_load, may_save = request_options(request)
-            state = _RequestState(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
+            state = RequestState(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
                                may_load=may_load, may_save=may_save)
             self._requests[request.request_id] = state
         return state
@@ -133,15 +104,60 @@ class SchedulerSide:
             return None, False
         state.queried_local = num_computed_tokens
         new_tokens = max(0, hit - num_computed_tokens)
+        if state.early and not state.early_judged:
+            state.early_judged = True
+            self.counts.early_load_misses += new_tokens == 0
         return new_tokens, new_tokens > 0 and self.asynchronous
 
-    def _stored_hit(self, state: _RequestState, usable: int) -> int:
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34's question for every request entering its waiting queues: may its load start while the
+        running batch is full (``--max-num-inflight-kv-loads``)? True for a P/D transfer, and where the
+        store likely holds more of the prompt than vLLM's own prefix cache: its lookup's answer if known,
+        else the prefix keys this process saw stored (hashes and a dictionary: no store is asked here). A
+        request answered False waits for a slot as any other; one answered True wrongly holds back other
+        early loads until a slot frees (counted: kvgroups_early_load_misses_total)."""
+        if not (self.asynchronous and self.deployment.is_consumer) or self.deployment.unservable:
+            return False
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            return True
+        state = self._state_of(request)
+        if state is None or not state.may_load or state.load_failed:
+            return False
+        usable = (len(state.tokens) - 1) // self.chunk_size
+        if not usable:
+            return False
+        self.lookups.start(request.request_id, lambda: self._stored_hit(state, usable * self.chunk_size))
+        known = self.lookups.known(request.request_id)
+        stored = known if known is not None else (
+            self.known.depth(self._prefix_keys(state)[:usable]) * self.chunk_size)
+        likely = stored > self._locally_cached(request)
+        if likely and not state.early:
+            state.early = True
+            self.counts.early_loads += 1
+        return likely
+
+    def _locally_cached(self, request: Any) -> int:
+        """Tokens of ``request`` vLLM's own prefix cache holds now (a probe: no block taken); 0 where vLLM's
+        cache manager cannot say (before 0.34)."""
+        probe = getattr(self._kv_cache_manager, "get_num_cached_tokens", None)
+        return int(probe(request)) if probe is not None else 0
+
+    def _prefix_keys(self, state: RequestState) -> list[str]:
+        """Rank 0's key of every full chunk of the prompt, hashed once per request."""
+        if state.prefix_keys is None:
+            state.prefix_keys = self.rank_stores[0].keys(state.tokens, request_salt=state.salt)
+        return state.prefix_keys
+
+    def _stored_hit(self, state: RequestState, usable: int) -> int:
         """The longest boundary every rank's entries exist at (none is read: the worker checks them)."""
         tokens = state.tokens[:usable]
         # Each rank's own groups under its keys; groups every rank holds alike under rank 0's.
-        found = [store.locate(None, keys=store.keys(tokens, request_salt=state.salt), groups=owned)
+        found = [store.locate(None, keys=self._prefix_keys(state)[:usable // self.chunk_size] if rank == 0
+                              else store.keys(tokens, request_salt=state.salt), groups=owned)
                  for rank, store in enumerate(self.rank_stores) if (owned := self.deployment.owned_groups(rank))]
         hit = min(prefix.num_tokens for prefix in found)
+        self.known.add(self._prefix_keys(state)[:hit // self.chunk_size])
         # A chunk is as slow as the slowest tier any rank reads it from.
         state.chunk_tiers = tuple(max((prefix.chunk_tiers[chunk] for prefix in found), key=self._tier_names.index)
                                   for chunk in range(hit // self.chunk_size))
@@ -216,6 +232,7 @@ class SchedulerSide:
             if not chunks:
                 continue
             state.planned.update(chunks)
+            self.known.add(self._prefix_keys(state)[chunk] for chunk in chunks)
             metadata.saves.append(plan := SavePlan(
                 request_id=request_id,
                 token_bytes=token_bytes(state.tokens[: (chunks[-1] + 1) * self.chunk_size]),
@@ -272,7 +289,7 @@ class SchedulerSide:
             self.events.update(connector_output)
 
     @staticmethod
-    def _load_plan(request_id: str, state: _RequestState, block_ids: tuple[tuple[int, ...], ...], *,
+    def _load_plan(request_id: str, state: RequestState, block_ids: tuple[tuple[int, ...], ...], *,
                    asynchronous: bool) -> LoadPlan:
         num_tokens, local_tokens = state.load or (0, 0)
         state.load = None
@@ -302,6 +319,7 @@ class SchedulerSide:
             self.lookups.forget(request_id)
         self._requests.clear()
         self._async_loads.clear()
+        self.known.clear()
         if self.events is not None:
             self.events.reset()
         logger.warning("KVGroupsConnector: prefix cache reset; chunks stored before are not served by this server")

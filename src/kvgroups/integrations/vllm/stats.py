@@ -28,6 +28,8 @@ CONNECTOR_COUNTERS = {
     "continued_local_tokens": "of those requests' prompts, the tokens vLLM's own prefix cache served",
     "continued_store_tokens": "of those requests' prompts, the tokens the store served after them",
     "stateless_saves": "a hybrid's saves (one request's step) that stored no recurrent state: none can end a hit",
+    "early_loads": "requests whose load may start while vLLM's running batch is full (may_load_async)",
+    "early_load_misses": "of those, the ones whose lookup found nothing beyond vLLM's own cache to load",
 }
 
 
@@ -39,6 +41,8 @@ class ConnectorCounts:
     continued_local_tokens: int = 0
     continued_store_tokens: int = 0
     stateless_saves: int = 0
+    early_loads: int = 0
+    early_load_misses: int = 0
 
     def continued(self, local_tokens: int, store_tokens: int) -> None:
         """A hit of ``store_tokens`` from the store planned after ``local_tokens`` of vLLM's own."""
