@@ -163,7 +163,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	touch $@
 
 # Every benchmark; one that could not measure a variant prints a row saying why and exits 1.
-bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed redis-server
+bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.installed redis-server
 	$(BIN)/python benchmarks/groups.py
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/store.py
@@ -171,5 +171,6 @@ bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed redis-server
 	$(BIN)/python benchmarks/reuse.py
 	$(BIN)/python benchmarks/restore_check.py
 	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
+	$(VLLM034_VENV)/bin/python benchmarks/early_loads.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32
