@@ -60,7 +60,8 @@ SCHEDULER_VLLM := 033 034
 SCHEDULER_TESTS := tests/vllm_connector/test_connector_unit.py tests/vllm_connector/test_lookups.py \
 	tests/vllm_connector/test_stats_unit.py tests/vllm_connector/test_connector_stats.py \
 	tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
-	tests/vllm_connector/test_align_mode.py tests/vllm_connector/test_early_loads.py
+	tests/vllm_connector/test_align_mode.py tests/vllm_connector/test_early_loads.py \
+	tests/vllm_connector/test_handover.py
 VLLM033_VENV ?= .venv-vllm033
 VLLM034_VENV ?= .venv-vllm034
 VLLM_LINE = 0.$(patsubst 0%,%,$(1)).*

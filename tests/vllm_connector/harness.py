@@ -167,6 +167,8 @@ class Step:
     failed_loads: set[str] = field(default_factory=set)
     invalid_blocks: set[int] = field(default_factory=set)
     scheduler_stats: Any = None  # vLLM's SchedulerStats of the step (its connector stats, hits by source)
+    # Requests that finished this step -> the kv_transfer_params of their output (a P/D prefill's hand-over).
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
 
     def new(self) -> dict[str, int]:
         """Requests scheduled for the first time this step -> their computed tokens (local + loaded)."""
@@ -272,6 +274,8 @@ class SchedulerHarness:
             req_ids=ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
             kv_connector_output=connector_output, **index))
         step.scheduler_stats = next((outputs[index].scheduler_stats for index in outputs), None)
+        step.kv_transfer_params = {output.request_id: output.kv_transfer_params for index in outputs
+                                   for output in outputs[index].outputs if output.kv_transfer_params is not None}
         return step
 
     def run(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, max_steps: int = 50, *,

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from kvgroups.integrations.vllm.handover import HandoverWait
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,3 +44,4 @@ class RequestState:
     prefix_keys: list[str] | None = None  # rank 0's key of each full chunk of the prompt, once hashed
     early: bool = False  # may_load_async answered True: its load may start while vLLM's batch is full
     early_judged: bool = False  # whether its lookup said if that guess was right (counted once)
+    handover: HandoverWait | None = None  # a P/D decode request's wait for the prefill server's entries

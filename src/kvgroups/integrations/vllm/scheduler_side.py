@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from typing import Any
 
 import numpy as np
 
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.events import StoreEvents
+from kvgroups.integrations.vllm.handover import expect_handover, handover_params, wants_handover
 from kvgroups.integrations.vllm.lookups import KnownPrefixes, Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
 from kvgroups.integrations.vllm.request_state import RequestState, request_options
@@ -86,6 +88,10 @@ class SchedulerSide:
             state = RequestState(request, np.asarray(request.prompt_token_ids, dtype=np.uint32), salt,
                                may_load=may_load, may_save=may_save)
             self._requests[request.request_id] = state
+            if self.deployment.is_consumer:
+                state.handover = expect_handover(request, len(state.tokens), self.chunk_size,
+                                                 self.deployment.world_size,
+                                                 self.deployment.settings.handover_wait_seconds, self.counts)
         return state
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -99,9 +105,17 @@ class SchedulerSide:
         usable = (len(state.tokens) - 1) // self.chunk_size * self.chunk_size
         if usable <= num_computed_tokens:
             return 0, False
+        wait = state.handover
+        if wait is not None and not wait.settled and not wait.ready(time.monotonic()):
+            return None, False
         hit = self.lookups.answer(request.request_id, lambda: self._stored_hit(state, usable))
         if hit is None:
             return None, False
+        if wait is not None and not wait.settled:
+            if not wait.settle(hit, time.monotonic()):  # its prefill server's saves are still being written
+                self.lookups.forget(request.request_id)
+                return None, False
+            wait.count(hit, self.counts)
         state.queried_local = num_computed_tokens
         new_tokens = max(0, hit - num_computed_tokens)
         if state.early and not state.early_judged:
@@ -303,11 +317,15 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; its blocks can be freed at once (saves copied them out in their step; a
         load still running holds them through vLLM until the worker reports it)."""
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
         if self.events is not None:
             self.events.forget(request.request_id)
-        return False, None
+        if not wants_handover(request):
+            return False, None
+        self.counts.handovers_sent += 1
+        return False, handover_params(request, state.planned if state is not None else set(), self.chunk_size,
+                                      self.deployment.world_size)
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: what the store

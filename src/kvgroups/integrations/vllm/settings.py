@@ -1,7 +1,8 @@
 """The connector's settings, read from ``kv_connector_extra_config``, and the identity of the served model.
 
 ``{"store": URL or [URLs], "chunk_size": N, "salt": S, "secret_file": PATH, "encrypt": bool,
-"max_pending_bytes": N, "load_mode": "async" | "sync"}``: where chunks live (a list is a tier
+"max_pending_bytes": N, "load_mode": "async" | "sync", "handover_wait_seconds": S}``: where
+chunks live (a list is a tier
 chain, fastest first), how many tokens a stored chunk holds (a multiple of every KV-cache
 group's block size; without it, the smallest such multiple of at least ``MIN_CHUNK_TOKENS``,
 whatever block sizes vLLM picks at start-up, or for recurrent states on vLLM's block grid one
@@ -9,7 +10,8 @@ step of that grid), the tenant salt that keeps this deployment's keys apart from
 file holding the deployment's secret (else ``$KVGROUPS_STORE_SECRET``, else none), whether
 entries are encrypted, the host memory queued saves may hold, and how hits are loaded: in
 background threads while other requests run (``"async"``, the default), or before the forward
-that needs them (``"sync"``).
+that needs them (``"sync"``), and how long a decode server waits for a prefill server's hand-over
+(:mod:`~kvgroups.integrations.vllm.handover`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from huggingface_hub import snapshot_download
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.sizes import round_up
 from kvgroups.errors import KVGroupsError
+from kvgroups.integrations.vllm.handover import DEFAULT_HANDOVER_WAIT_SECONDS
 from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.identity import files_digest
 from kvgroups.store.identity import model_identity as identity
 from kvgroups.store.redis_settings import mask_url
 from kvgroups.store.secret import StoreSecret
 
-KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode")
+KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode",
+              "handover_wait_seconds")
+MAX_HANDOVER_WAIT_SECONDS = 600.0
 # Without "chunk_size" a chunk is the smallest multiple of every KV-cache group's block size (vLLM
 # picks a hybrid's at start-up, to fit a state in a page) holding at least this many tokens (but see
 # ConnectorSettings.for_blocks for states on vLLM's block grid).
@@ -56,6 +61,7 @@ class ConnectorSettings:
     encrypt: bool = False
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     load_mode: str = "async"
+    handover_wait_seconds: float = DEFAULT_HANDOVER_WAIT_SECONDS
 
     @property
     def masked_stores(self) -> tuple[str, ...]:
@@ -99,6 +105,10 @@ class ConnectorSettings:
         load_mode = extra.get("load_mode", "async")
         if load_mode not in LOAD_MODES:
             problems.append(f"'load_mode' must be one of {list(LOAD_MODES)}, got {load_mode!r}")
+        wait = extra.get("handover_wait_seconds", DEFAULT_HANDOVER_WAIT_SECONDS)
+        if type(wait) not in (int, float) or not 0 <= wait <= MAX_HANDOVER_WAIT_SECONDS:
+            problems.append(f"'handover_wait_seconds' must be a number from 0 to {MAX_HANDOVER_WAIT_SECONDS:g}, "
+                            f"got {wait!r}")
         secret = None
         secret_file = extra.get("secret_file")
         try:
@@ -110,7 +120,7 @@ class ConnectorSettings:
         if problems:
             raise ConnectorConfigError("kv_connector_extra_config for KVGroupsConnector: " + "; ".join(problems))
         return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt, secret=secret, encrypt=encrypt,
-                   max_pending_bytes=pending, load_mode=load_mode)
+                   max_pending_bytes=pending, load_mode=load_mode, handover_wait_seconds=float(wait))
 
     def for_blocks(self, block_sizes: Mapping[int, int], *, states_on_block_grid: bool = False) -> ConnectorSettings:
         """These settings with the chunk size vLLM's block sizes (KV-cache group -> tokens per block) allow:

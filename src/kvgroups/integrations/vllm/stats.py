@@ -30,6 +30,11 @@ CONNECTOR_COUNTERS = {
     "stateless_saves": "a hybrid's saves (one request's step) that stored no recurrent state: none can end a hit",
     "early_loads": "requests whose load may start while vLLM's running batch is full (may_load_async)",
     "early_load_misses": "of those, the ones whose lookup found nothing beyond vLLM's own cache to load",
+    "handovers_sent": "P/D prefills whose response told the decode server what the store holds",
+    "handovers_received": "P/D decode requests that carried a prefill server's hand-over",
+    "handover_tokens": "of those, the prompt tokens found in the store and loaded",
+    "handover_waits_expired": "hand-overs not all in the store when the wait ran out (the rest computed)",
+    "handover_delay_ms": "ms from each prefill's end to its decode server finding its chunks, summed",
 }
 
 
@@ -43,6 +48,11 @@ class ConnectorCounts:
     stateless_saves: int = 0
     early_loads: int = 0
     early_load_misses: int = 0
+    handovers_sent: int = 0
+    handovers_received: int = 0
+    handover_tokens: int = 0
+    handover_waits_expired: int = 0
+    handover_delay_ms: int = 0
 
     def continued(self, local_tokens: int, store_tokens: int) -> None:
         """A hit of ``store_tokens`` from the store planned after ``local_tokens`` of vLLM's own."""
