@@ -144,3 +144,27 @@ def test_the_wait_is_a_setting_within_bounds() -> None:
     for bad in (-1, 601, "2", float("nan")):
         with pytest.raises(ConnectorConfigError, match="'handover_wait_seconds' must be a number from 0 to 600"):
             ConnectorSettings.from_extra_config({"store": "file:///x", "handover_wait_seconds": bad})
+
+
+def test_chunks_vllm_s_own_cache_served_the_prefill_server_are_handed_over_too(gemma3_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """A system prompt the prefill server computed before comes from vLLM's prefix cache, so no step of
+    this request saves it; it is in the store all the same (the earlier request saved it), and the
+    hand-over names it: the decode server waits for, and loads, the whole prompt."""
+    system, extra = prompt(64), file_store(tmp_path)
+    kv = cache_config(["full"])
+    config = vllm_config(gemma3_dir, extra, role="kv_producer", prefix_caching=True)
+    harness, worker = SchedulerHarness(config, kv), FakeWorker(config, kv, seed=0)
+    harness.add("first", system + prompt(36, seed=5), max_tokens=1)
+    harness.run(worker)
+    tokens = system + prompt(36, seed=6)
+    harness.add("p", tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))
+    steps = harness.run(worker)
+    assert steps[0].new()["p"] == 64  # vLLM's cache served the system prompt
+    assert [save.chunks for step in steps for save in step.metadata.saves] == [(2,)]
+    (params,) = [step.kv_transfer_params["p"] for step in steps if "p" in step.kv_transfer_params]
+    assert params[HANDOVER_KEY]["tokens"] == 96
+    decode = SchedulerHarness(vllm_config(gemma3_dir, extra, role="kv_consumer"), kv)
+    decode.add("d", tokens, kv_transfer_params=params)
+    computed = decode.admit(FakeWorker(config, kv, seed=1), "d")[1]
+    assert computed == 96 and counts(decode) == (1, 96, 0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,23 +47,22 @@ def wants_handover(request: Any) -> bool:
     return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
-def handover_params(request: Any, planned_chunks: Collection[int], chunk_size: int,
-                    world_size: int) -> dict[str, Any]:
-    """A P/D prefill response's ``kv_transfer_params``: the decode server loads the whole chunks saved from
-    the prompt's start on (``planned_chunks``: those its steps saved), never its last token."""
-    saved = 0
-    while saved in planned_chunks:
-        saved += 1
+def handover_params(request: Any, stored_chunks: int, chunk_size: int, world_size: int) -> dict[str, Any]:
+    """A P/D prefill response's ``kv_transfer_params``: the decode server loads the prompt's first
+    ``stored_chunks`` whole chunks (those its steps saved, and before them those it knows stored: found
+    by its lookup, or saved by an earlier request, as a system prompt vLLM's own cache served), never its
+    last token."""
     usable = (len(request.prompt_token_ids) - 1) // chunk_size * chunk_size
     return {"do_remote_prefill": True, "do_remote_decode": False,
-            HANDOVER_KEY: {"tokens": min(saved * chunk_size, usable), "finished_at": time.time(),
+            HANDOVER_KEY: {"tokens": min(stored_chunks * chunk_size, usable), "finished_at": time.time(),
                            "world_size": world_size}}
 
 
-def expect_handover(request: Any, prompt_tokens: int, chunk_size: int, world_size: int, wait_seconds: float,
+def expect_handover(request: Any, prompt_tokens: int, chunk_size: int, deployment: Any,
                     counts: Any) -> HandoverWait | None:
     """A decode request's wait for what its prefill server saved, or None (no hand-over, or one this server
-    cannot load: said in the log)."""
+    cannot load: said in the log). ``deployment``: this server's (deployment.Deployment)."""
+    world_size, wait_seconds = deployment.world_size, deployment.settings.handover_wait_seconds
     handover = read_handover(request, prompt_tokens)
     if handover is None:
         return None

@@ -89,9 +89,8 @@ class SchedulerSide:
                                may_load=may_load, may_save=may_save)
             self._requests[request.request_id] = state
             if self.deployment.is_consumer:
-                state.handover = expect_handover(request, len(state.tokens), self.chunk_size,
-                                                 self.deployment.world_size,
-                                                 self.deployment.settings.handover_wait_seconds, self.counts)
+                state.handover = expect_handover(request, len(state.tokens), self.chunk_size, self.deployment,
+                                                 self.counts)
         return state
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -324,8 +323,9 @@ class SchedulerSide:
         if not wants_handover(request):
             return False, None
         self.counts.handovers_sent += 1
-        return False, handover_params(request, state.planned if state is not None else set(), self.chunk_size,
-                                      self.deployment.world_size)
+        # Saved by its steps or known stored (chunks vLLM's own cache served are saved by no step).
+        stored = 0 if state is None else self.known.depth(self._prefix_keys(state))
+        return False, handover_params(request, stored, self.chunk_size, self.deployment.world_size)
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: what the store
