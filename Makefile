@@ -175,3 +175,5 @@ bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.install
 	$(VLLM034_VENV)/bin/python benchmarks/early_loads.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32
+	$(VLLM_BIN)/python benchmarks/pd_serving.py
+	$(VLLM_BIN)/python benchmarks/pd_serving.py --model qwen3-next-like
