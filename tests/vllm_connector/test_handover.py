@@ -168,3 +168,39 @@ def test_chunks_vllm_s_own_cache_served_the_prefill_server_are_handed_over_too(g
     decode.add("d", tokens, kv_transfer_params=params)
     computed = decode.admit(FakeWorker(config, kv, seed=1), "d")[1]
     assert computed == 96 and counts(decode) == (1, 96, 0)
+
+
+def test_two_tensor_parallel_ranks_on_both_sides_hand_over_each_rank_s_chunks(gemma3_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Prefill and decode of the same tensor-parallel size: each decode rank loads, byte for byte, what the
+    prefill server's rank of the same index saved (each rank's heads are its own; sliding-window tokens
+    outside the window are neither saved nor loaded, so the full-attention group is compared)."""
+    tokens, extra, kv = prompt(100), file_store(tmp_path), cache_config(KINDS)
+    producer = vllm_config(gemma3_dir, extra, role="kv_producer", tp=2)
+    prefilled = tuple(FakeWorker(producer, kv, seed=seed, rank=rank) for rank, seed in ((0, 0), (1, 5)))
+    harness = SchedulerHarness(producer, kv)
+    harness.add("p", tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))
+    steps = harness.run(prefilled)
+    (params,) = [step.kv_transfer_params["p"] for step in steps if "p" in step.kv_transfer_params]
+    (save,) = [save for step in steps for save in step.metadata.saves]
+    assert (params[HANDOVER_KEY]["tokens"], params[HANDOVER_KEY]["world_size"]) == (96, 2)
+    consumer = vllm_config(gemma3_dir, extra, role="kv_consumer", tp=2)
+    decode = SchedulerHarness(consumer, kv)
+    workers = tuple(FakeWorker(consumer, kv, seed=seed, rank=rank) for rank, seed in ((0, 1), (1, 2)))
+    decode.add("d", tokens, kv_transfer_params=params)
+    computed, load = decode.admit(workers, "d")[1:]
+    assert computed == 96 and counts(decode) == (1, 96, 0)
+    for worker, filled in zip(workers, prefilled, strict=True):  # the full-attention group's every token
+        got, want = (token_rows(each, block_ids, range(96))[-1].contiguous().view(torch.uint8)
+                     for each, block_ids in ((worker, load.block_ids), (filled, save.block_ids)))
+        assert torch.equal(got, want)
+    assert not torch.equal(*(token_rows(each, save.block_ids, range(96))[-1] for each in prefilled))  # ranks differ
+
+
+def test_a_nixl_proxy_s_prefill_request_gets_a_hand_over(gemma3_dir: Path, tmp_path: Path) -> None:
+    """vLLM's example P/D proxies ask the prefill server with NIXL's fields beside do_remote_decode, empty."""
+    nixl = {**PREFILL, "remote_engine_id": None, "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    harness, worker = server(gemma3_dir, file_store(tmp_path), "kv_producer", seed=0)
+    harness.add("p", prompt(100), max_tokens=1, kv_transfer_params=nixl)
+    (params,) = [step.kv_transfer_params["p"] for step in harness.run(worker) if "p" in step.kv_transfer_params]
+    assert params[HANDOVER_KEY]["tokens"] == 96 and params["do_remote_prefill"] is True
