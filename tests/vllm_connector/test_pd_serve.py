@@ -6,14 +6,18 @@ moment the response arrives. Both on one file store; no address of the prefill s
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.servers import free_port
 from tests.vllm_connector.test_serve import MODEL_NAME, kvgroups_lines, served, value, wait_until
 
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -54,6 +58,43 @@ def complete(base: str, tokens: list[int], max_tokens: int = 8, **body: Any) -> 
         return dict(json.loads(answer.read()))
 
 
+@contextmanager
+def routed(prefill: str, decode: str) -> Iterator[str]:
+    """kvgroups' P/D router (kvgroups.integrations.vllm.pd_proxy) in a process of its own."""
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "kvgroups.integrations.vllm.pd_proxy", "--prefill", prefill,
+                               "--decode", decode, "--port", str(port)],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"{base}/v1/models"), "the router answering")
+        yield base
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def stream(base: str, tokens: list[int], max_tokens: int = 8) -> str:
+    """A streamed greedy completion's text."""
+    data = json.dumps({"model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(f"{base}/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        for line in answer:
+            if line.startswith(b"data: {"):
+                text.append(json.loads(line[len(b"data: "):])["choices"][0]["text"])
+    return "".join(text)
+
+
 @pytest.mark.parametrize(("kind", "lengths"), [("llama", (530, 700, 1000)), ("qwen3_next", (900, 1500))])
 def test_a_decode_server_loads_what_the_prefill_server_saved_and_answers_as_one_server(
         kind: str, lengths: tuple[int, ...], tmp_path: Path) -> None:
@@ -82,12 +123,23 @@ def test_a_decode_server_loads_what_the_prefill_server_saved_and_answers_as_one_
             # What one server computing the whole prompt answers (a producer never loads).
             whole = complete(prefill, tokens)
             assert answer["choices"][0]["text"] == whole["choices"][0]["text"]
+        # The same through kvgroups' own router, streamed: one request, as a client sends it.
+        tokens = tokens_of(len(lengths), lengths[0])
+        with routed(prefill, decode) as proxy:
+            streamed = stream(proxy, tokens)
+        loaded += (lengths[0] - 1) // 64 * 64 if kind == "llama" else 0
+        wait_until(lambda: value(kvgroups_lines(decode), "vllm:kvgroups_handovers_received_total") == len(lengths) + 1,
+                   "the routed request's hand-over")
+        assert streamed == complete(prefill, tokens)["choices"][0]["text"]
         lines = kvgroups_lines(decode)
+        if kind != "llama":  # the hybrid's whole chunks follow vLLM's block size: some were handed over
+            before, loaded = loaded, int(value(lines, "vllm:kvgroups_handover_tokens_total"))
+            assert loaded > before
         assert value(lines, "vllm:kvgroups_loaded_tokens_total") == loaded
-        assert value(lines, "vllm:kvgroups_handovers_received_total") == len(lengths)
+        assert value(lines, "vllm:kvgroups_handovers_received_total") == len(lengths) + 1
         assert value(lines, "vllm:kvgroups_handover_tokens_total") == loaded
         assert value(lines, "vllm:kvgroups_handover_waits_expired_total") == 0
-        assert value(kvgroups_lines(prefill), "vllm:kvgroups_handovers_sent_total") == len(lengths)
+        assert value(kvgroups_lines(prefill), "vllm:kvgroups_handovers_sent_total") == len(lengths) + 1
 
 
 def test_a_hand_over_whose_entries_are_gone_is_computed_within_the_wait(tmp_path: Path) -> None:
