@@ -204,3 +204,27 @@ def test_a_nixl_proxy_s_prefill_request_gets_a_hand_over(gemma3_dir: Path, tmp_p
     harness.add("p", prompt(100), max_tokens=1, kv_transfer_params=nixl)
     (params,) = [step.kv_transfer_params["p"] for step in harness.run(worker) if "p" in step.kv_transfer_params]
     assert params[HANDOVER_KEY]["tokens"] == 96 and params["do_remote_prefill"] is True
+
+
+@pytest.mark.parametrize(("max_batched", "handed"), [(256, 0), (32, 96)])
+def test_a_hybrid_hands_over_up_to_the_last_chunk_its_states_were_saved_at(gemma3_dir: Path, tmp_path: Path,
+                                                                           max_batched: int, handed: int) -> None:
+    """vLLM's prefix cache off (no "align" mode): a recurrent state is kept only where a step ends on a
+    chunk's end. A prefill in one step keeps none, so nothing is handed over and the decode server computes
+    the prompt at once (no wait for states that never come); steps of one chunk keep every one, and the
+    decode server loads the whole prompt's chunks, the state at their end with them."""
+    tokens, extra = prompt(100), file_store(tmp_path, handover_wait_seconds=30)
+    kv = cache_config(["mamba", "full"])
+    producer = vllm_config(gemma3_dir, extra, role="kv_producer", max_batched=max_batched)
+    harness, prefilled = SchedulerHarness(producer, kv), FakeWorker(producer, kv, seed=0)
+    harness.add("p", tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))
+    steps = harness.run(prefilled)
+    (params,) = [step.kv_transfer_params["p"] for step in steps if "p" in step.kv_transfer_params]
+    assert params[HANDOVER_KEY]["tokens"] == handed
+    consumer = vllm_config(gemma3_dir, extra, role="kv_consumer")
+    decode = SchedulerHarness(consumer, kv)
+    decode.add("d", tokens, kv_transfer_params=params)
+    started = time.monotonic()
+    computed = decode.admit(FakeWorker(consumer, kv, seed=1), "d")[1]
+    assert computed == handed and time.monotonic() - started < 10  # never the 30 s wait
+    assert counts(decode) == (1, handed, 0)

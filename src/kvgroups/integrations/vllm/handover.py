@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,22 @@ def wants_handover(request: Any) -> bool:
     """Whether ``request`` is a P/D prefill: the decode runs elsewhere and reads what this one saves."""
     params = getattr(request, "kv_transfer_params", None)
     return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def handover_chunks(state: Any, known_chunks: int, chunk_size: int, engine_groups: Sequence[Any]) -> int:
+    """How many whole chunks of a finished prefill request (``state``: its request_state.RequestState) the
+    decode server can load: of the ``known_chunks`` from the prompt's start this server knows stored (its
+    steps' saves, and before them what it saw saved or found), those up to the last chunk a hit may end at.
+    A model without recurrent groups: all of them. A hybrid: up to the last chunk its steps saved with the
+    states at its end, or the end of what vLLM's own cache served its first step (in "align" mode a
+    boundary where vLLM keeps the states, saved with them by the request that computed it). A one-step
+    prefill with vLLM's prefix cache off keeps no state on any chunk's end: 0, and the decode server
+    computes the prompt without waiting for states that will never come."""
+    if all(group.token_indexed for group in engine_groups):
+        return known_chunks
+    ends = [chunk + 1 for chunk in state.hit_ends if chunk < known_chunks]
+    cached = (state.first_start or 0) // chunk_size
+    return int(max([*ends, cached if cached <= known_chunks else 0]))
 
 
 def handover_params(request: Any, stored_chunks: int, chunk_size: int, world_size: int) -> dict[str, Any]:

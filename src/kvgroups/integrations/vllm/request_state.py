@@ -40,6 +40,8 @@ class RequestState:
     load: tuple[int, int] | None = None  # (num_tokens, local_tokens) to load in the next plan
     load_failed: bool = False  # a load of this request failed: the store is not offered again
     planned: set[int] = field(default_factory=set)  # chunks already planned for saving
+    hit_ends: set[int] = field(default_factory=set)  # planned chunks a hit may end at (their states saved)
+    first_start: int | None = None  # the tokens computed (vLLM's own cache, loads) when its first step began
     chunk_tiers: tuple[str, ...] = ()  # the tier serving each chunk of the stored prefix (set by its lookup)
     prefix_keys: list[str] | None = None  # rank 0's key of each full chunk of the prompt, once hashed
     early: bool = False  # may_load_async answered True: its load may start while vLLM's batch is full

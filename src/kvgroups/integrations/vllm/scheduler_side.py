@@ -21,7 +21,7 @@ import numpy as np
 
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.events import StoreEvents
-from kvgroups.integrations.vllm.handover import expect_handover, handover_params, wants_handover
+from kvgroups.integrations.vllm.handover import expect_handover, handover_chunks, handover_params, wants_handover
 from kvgroups.integrations.vllm.lookups import KnownPrefixes, Lookups, all_tiers_local
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
 from kvgroups.integrations.vllm.request_state import RequestState, request_options
@@ -151,8 +151,7 @@ class SchedulerSide:
         return likely
 
     def _locally_cached(self, request: Any) -> int:
-        """Tokens of ``request`` vLLM's own prefix cache holds now (a probe: no block taken); 0 where vLLM's
-        cache manager cannot say (before 0.34)."""
+        """Tokens of ``request`` vLLM's own prefix cache holds now (a probe, no block taken; 0 before 0.34)."""
         probe = getattr(self._kv_cache_manager, "get_num_cached_tokens", None)
         return int(probe(request)) if probe is not None else 0
 
@@ -231,6 +230,7 @@ class SchedulerSide:
                 continue
             # Called before the scheduler advances num_computed_tokens: this step starts here.
             start = int(state.request.num_computed_tokens)
+            state.first_start = start if state.first_start is None else state.first_start
             block_ids: tuple[tuple[int, ...], ...] | None = None
             if state.load is not None:
                 block_ids = self._block_ids(request_id)
@@ -256,6 +256,7 @@ class SchedulerSide:
                                       if block and tokens % self.chunk_size == 0),
             ))
             self._count_stateless(plan)
+            state.hit_ends.update(plan.hit_ends(self.deployment.plan.engine_groups, self.chunk_size))
             if self.events is not None:
                 self.events.saving(state.request, plan)
         if self.events is not None:
@@ -264,8 +265,7 @@ class SchedulerSide:
         return metadata
 
     def _count_stateless(self, plan: SavePlan) -> None:
-        """Count a step's saves of a hybrid that stored no recurrent state, and say so the first time: no chunk
-        they store can end a hit, and nothing else would show it."""
+        """Count (and say, the first time) a hybrid's step saving no recurrent state: none of its chunks ends a hit."""
         if not plan.stores_no_state(self.deployment.plan.engine_groups, self.chunk_size):
             return
         if not self.counts.stateless_saves:
@@ -323,8 +323,8 @@ class SchedulerSide:
         if not wants_handover(request):
             return False, None
         self.counts.handovers_sent += 1
-        # Saved by its steps or known stored (chunks vLLM's own cache served are saved by no step).
-        stored = 0 if state is None else self.known.depth(self._prefix_keys(state))
+        stored = 0 if state is None else handover_chunks(state, self.known.depth(self._prefix_keys(state)),
+                                                         self.chunk_size, self.deployment.plan.engine_groups)
         return False, handover_params(request, stored, self.chunk_size, self.deployment.world_size)
 
     def reset(self) -> bool:
