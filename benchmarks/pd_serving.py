@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from benchmarks import models  # noqa: E402
 from benchmarks.soak import Server  # noqa: E402
 
+from kvgroups.integrations.vllm.pd_proxy import prefill_body  # noqa: E402
+
 # Per model: how it is saved and its engine's options (the hybrid under vLLM's defaults: prefix cache on).
 MODELS: dict[str, dict[str, Any]] = {
     "llama-like": {"save": models.save_llama_like, "chunk": 256, "exact": True,
@@ -51,9 +53,6 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen3-next-like": {"save": models.save_qwen3_next_like, "chunk": None, "exact": False,
                         "options": ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32"]},
 }
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
 class RoleServer(Server):
     """A ``vllm serve`` of one P/D role (soak.Server's process handling), on CPUs of its own."""
 
@@ -108,8 +107,9 @@ def complete(base: str, prompt: list[int], max_tokens: int, **extra: Any) -> lis
 
 
 def prefill(base: str, prompt: list[int]) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": dict(PREFILL_PARAMS)}
-    with urllib.request.urlopen(post(base, body), timeout=600) as answer:
+    """The prefill server's hand-over for ``prompt``, asked as kvgroups' router asks it."""
+    with urllib.request.urlopen(post(base, prefill_body({"prompt": prompt, "temperature": 0})),
+                                timeout=600) as answer:
         params: dict[str, Any] = json.loads(answer.read())["kv_transfer_params"]
     return params
 

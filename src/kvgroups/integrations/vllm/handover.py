@@ -42,6 +42,12 @@ class Handover:
     world_size: int  # its tensor-parallel size: every rank's chunks are keyed apart
 
 
+def loadable_tokens(prompt_tokens: int, chunk_size: int) -> int:
+    """The prompt's tokens a decode server may load: its whole chunks before its last token, which the decode
+    server computes for its first logits."""
+    return (prompt_tokens - 1) // chunk_size * chunk_size
+
+
 def wants_handover(request: Any) -> bool:
     """Whether ``request`` is a P/D prefill: the decode runs elsewhere and reads what this one saves."""
     params = getattr(request, "kv_transfer_params", None)
@@ -69,7 +75,7 @@ def handover_params(request: Any, stored_chunks: int, chunk_size: int, world_siz
     ``stored_chunks`` whole chunks (those its steps saved, and before them those it knows stored: found
     by its lookup, or saved by an earlier request, as a system prompt vLLM's own cache served), never its
     last token."""
-    usable = (len(request.prompt_token_ids) - 1) // chunk_size * chunk_size
+    usable = loadable_tokens(len(request.prompt_token_ids), chunk_size)
     return {"do_remote_prefill": True, "do_remote_decode": False,
             HANDOVER_KEY: {"tokens": min(stored_chunks * chunk_size, usable), "finished_at": time.time(),
                            "world_size": world_size}}
@@ -90,8 +96,8 @@ def expect_handover(request: Any, prompt_tokens: int, chunk_size: int, deploymen
                        "the same size on both (each rank's chunks are its own), so nothing is waited for and the "
                        "request is served as any other", request.request_id, handover.world_size, world_size)
         return None
-    usable = (prompt_tokens - 1) // chunk_size * chunk_size
-    return HandoverWait(handover, target=min(handover.tokens, usable), deadline=time.monotonic() + wait_seconds)
+    return HandoverWait(handover, target=min(handover.tokens, loadable_tokens(prompt_tokens, chunk_size)),
+                        deadline=time.monotonic() + wait_seconds)
 
 
 def read_handover(request: Any, prompt_tokens: int) -> Handover | None:

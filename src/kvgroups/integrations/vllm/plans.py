@@ -117,20 +117,22 @@ class SavePlan:
         """Whether this step's running state of ``engine_group`` is the state after ``end`` tokens."""
         return self.step_end == end and engine_group.state_mode in STATE_MODES
 
+    def _state_kept(self, engine_group: EngineGroup, end: int) -> bool:
+        """Whether ``engine_group``'s state after ``end`` tokens is in a block now: one vLLM handed over for
+        that boundary, or this step's running state."""
+        return any(group == engine_group.index and tokens == end for group, tokens, _ in self.boundary_states) \
+            or self._state_at(engine_group, end)
+
     def hit_ends(self, engine_groups: Sequence[EngineGroup], chunk_size: int) -> tuple[int, ...]:
         """This plan's chunks at whose end every recurrent group's state is saved (all of them for a model
         without one): where a hit on what it stores may end."""
-        handed = {(group, tokens) for group, tokens, _ in self.boundary_states}
         return tuple(chunk for chunk in self.chunks if all(
-            (group.index, (chunk + 1) * chunk_size) in handed or self._state_at(group, (chunk + 1) * chunk_size)
-            for group in engine_groups if not group.token_indexed))
+            self._state_kept(group, (chunk + 1) * chunk_size) for group in engine_groups if not group.token_indexed))
 
     def stores_no_state(self, engine_groups: Sequence[EngineGroup], chunk_size: int) -> bool:
         """Whether some recurrent group has its state at the end of none of this plan's chunks: no chunk these
         saves store can end a hit (vLLM ended this step, and handed over a state, off every chunk's end)."""
-        handed = {(group, tokens) for group, tokens, _ in self.boundary_states}
-        ends = [(chunk + 1) * chunk_size for chunk in self.chunks]
-        return any(not any((group.index, end) in handed or self._state_at(group, end) for end in ends)
+        return any(not any(self._state_kept(group, (chunk + 1) * chunk_size) for chunk in self.chunks)
                    for group in engine_groups if not group.token_indexed)
 
 
