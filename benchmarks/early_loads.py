@@ -2,7 +2,7 @@
 connector's ``may_load_async``): how long a hit request waits, driven through vLLM's real Scheduler.
 
 vLLM 0.34 has no CPU build, so no engine of it runs here: this drives its ``Scheduler`` with the
-connector and fake caches (``tests/vllm_connector/harness.py``, as ``make test-vllm034`` does), each
+connector and fake caches (``tests/integrations/vllm/harness.py``, as ``make test-vllm034`` does), each
 engine step standing in for the model with ``--step-ms`` of sleep; the connector's loads are real
 (a file store, chunks of 32 tokens read, checked and copied into the fake caches within the step).
 A server first serves ``--hits`` conversations of ``--prompt`` tokens (saved; vLLM's prefix cache
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import vllm  # noqa: E402
-from tests.vllm_connector.harness import (  # noqa: E402
+from tests.integrations.vllm.harness import (  # noqa: E402
     FakeWorker,
     SchedulerHarness,
     cache_config,
@@ -42,7 +42,7 @@ from tests.vllm_connector.harness import (  # noqa: E402
     prompt,
     vllm_config,
 )
-from tests.vllm_connector.tiny_vllm_models import save_model  # noqa: E402
+from tests.integrations.vllm.tiny_vllm_models import save_model  # noqa: E402
 from vllm.config import SchedulerConfig  # noqa: E402
 
 KINDS = ["sliding", "full"]

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.servers import Server, running_cluster
-from tests.test_chunk_store import build_metadata
-from tests.test_store_cluster import KINDS, failover_seconds, prompts, save_all
+from tests.support.failover import failover_seconds
+from tests.support.servers import Server, running_cluster
+from tests.support.stored_chunks import MIXED_KINDS, build_metadata, prompts, save_all
 
 from kvgroups.store import KVChunkStore
 
@@ -36,7 +36,7 @@ def repeat(directory: Path, coverage: str, node_timeout_ms: int, repetitions: in
     settings = ("--cluster-require-full-coverage", coverage, "--cluster-node-timeout", str(node_timeout_ms))
     results = []
     with running_cluster(directory, settings=settings) as cluster:
-        store = KVChunkStore(build_metadata(KINDS), cluster.url)
+        store = KVChunkStore(build_metadata(MIXED_KINDS), cluster.url)
         every = prompts(12)
         save_all(store, every)
         for repetition in range(repetitions):

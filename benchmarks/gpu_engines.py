@@ -2,7 +2,7 @@
 
 Per model (a tiny random-weight llama-like model, a qwen3-next-like hybrid of gated-DeltaNet and
 full attention) and attention backend, two engines run one after the other, each in its own
-process (``tests.vllm_connector.engine_runner``), on one file store, both with vLLM's defaults
+process (``tests.integrations.vllm.engine_runner``), on one file store, both with vLLM's defaults
 (its prefix cache on; for the hybrid, so recurrent states on vLLM's block grid):
 
 * the first, with the connector, computes the prompt (a miss: its greedy tokens and logprobs are
@@ -36,7 +36,7 @@ def _prompt(seed: int, length: int) -> list[dict[str, Any]]:
 
 
 def _run(job: dict[str, Any], directory: Path, name: str) -> list[dict[str, Any]]:
-    from tests.vllm_connector.engine_runner import run_job
+    from tests.integrations.vllm.engine_runner import run_job
 
     try:
         return run_job(job, directory, name, multiprocess=False)
@@ -47,8 +47,8 @@ def _run(job: dict[str, Any], directory: Path, name: str) -> list[dict[str, Any]
 
 def engine_row(model: str, backend: str, directory: Path) -> Row:
     """Two engines, one store: the row says whether the second reproduced the first, and its TTFTs."""
-    from tests.vllm_connector.engine_runner import outputs
-    from tests.vllm_connector.tiny_vllm_models import save_model  # needs transformers: imported on use
+    from tests.integrations.vllm.engine_runner import outputs
+    from tests.integrations.vllm.tiny_vllm_models import save_model  # needs transformers: imported on use
 
     settings = MODELS[model]
     length = settings["prompt"]

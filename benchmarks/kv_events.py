@@ -4,7 +4,7 @@ The connector's events add work on the scheduler's thread only (building each sa
 chunk's BlockStored when its save or load is planned, matching the workers' reports each step);
 the workers append the keys they wrote to a list, and vLLM publishes on a thread of its own. So
 this measures the scheduler: per round, two engines (vLLM's ``Scheduler`` with fake workers on a
-file store, ``tests/vllm_connector/harness.py``), one with vLLM's KV events off and one with them
+file store, ``tests/integrations/vllm/harness.py``), one with vLLM's KV events off and one with them
 on, serve the same requests (a batch of prompts stored, then the same prompts again, loaded);
 the time inside ``schedule()`` and ``update_from_output()`` of every step is summed per engine.
 Rounds alternate which engine goes first; the ratio is the median of per-round ratios.
@@ -28,7 +28,7 @@ PROMPTS, PROMPT_TOKENS, CHUNK = 8, 1000, 256  # the harness serves up to 1024 to
 
 def serve(model_dir: Path, store_dir: Path, events: bool) -> float:
     """Seconds the scheduler spent stepping: the prompts stored by one engine, then loaded by another."""
-    from tests.vllm_connector.harness import FakeWorker, SchedulerHarness, cache_config, prompt, vllm_config
+    from tests.integrations.vllm.harness import FakeWorker, SchedulerHarness, cache_config, prompt, vllm_config
 
     spent = 0.0
     for phase in ("store", "load"):
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from tests.vllm_connector.tiny_vllm_models import save_model
+    from tests.integrations.vllm.tiny_vllm_models import save_model
 
     with tempfile.TemporaryDirectory(prefix="kvgroups-events-bench-") as temporary:
         directory = Path(temporary)

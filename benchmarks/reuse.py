@@ -32,9 +32,9 @@ import transformers
 
 from kvgroups.integrations.transformers import PrefixCache
 from kvgroups.store import LoadedEntries
-from kvgroups.store.base import ByteStore
-from kvgroups.store.codec import view_entry
-from kvgroups.store.metrics import Histogram, StoreMetrics
+from kvgroups.store.backends.base import ByteStore
+from kvgroups.store.entries.codec import view_entry
+from kvgroups.store.metrics.counters import Histogram, StoreMetrics
 from models import gemma3_like, llama_like
 from servers import local_cluster, local_redis
 from unmeasured import Unmeasured

@@ -1,4 +1,4 @@
-"""The benchmarks' Valkey/Redis servers: the test suite's own (``tests/servers.py``), or none where no
+"""The benchmarks' Valkey/Redis servers: the test suite's own (``tests/support/servers.py``), or none where no
 server is installed (the benchmark then leaves its Redis rows out)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.servers import installed_server, running_cluster, running_server
+from tests.support.servers import installed_server, running_cluster, running_server
 
 __all__ = ["installed_server", "local_cluster", "local_redis", "running_cluster", "running_server"]
 

@@ -64,7 +64,7 @@ from benchmarks.soak_report import (  # noqa: E402
     SoakReport,
     counter,
 )
-from tests.servers import free_port, running_cluster  # noqa: E402
+from tests.support.servers import free_port, running_cluster  # noqa: E402
 
 CHUNK = 64
 RESTART_NICENESS = -10
@@ -331,7 +331,7 @@ class Soak:
                 unmount(mount)
 
     def _serve(self, arguments: argparse.Namespace, cluster: Any, tiers: dict[str, Path]) -> int:
-        from tests.vllm_connector.tiny_vllm_models import save_model
+        from tests.integrations.vllm.tiny_vllm_models import save_model
 
         servers = {}
         cpus = sorted(os.sched_getaffinity(0))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.servers import Cluster, Server
+from tests.support.servers import Cluster, Server
 
 
 @dataclass

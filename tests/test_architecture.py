@@ -27,6 +27,16 @@ ALLOWED: dict[str, set[str]] = {
 TOP_LEVEL_MODULES = {"kvgroups", "kvgroups.errors", "kvgroups.transfer", "kvgroups.__main__"}
 MAX_MODULE_LINES = 350
 
+# Inside store/, each room is a layer of its own (the package's store/__init__.py says the same in words):
+# the byte stores know nothing of what their values are, and only the chunk store on top uses every room.
+STORE_ROOMS: dict[str, set[str]] = {
+    "metrics": {"metrics"},
+    "entries": {"metrics", "entries"},
+    "backends": {"metrics", "backends"},
+    "chunks": {"metrics", "entries", "backends", "chunks"},
+}
+MAX_STORE_TOP_LEVEL_MODULES = 10
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -69,6 +79,14 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
+def store_room(module: str) -> str | None:
+    """The room of store/ a module lives in, "" for the store's own top level, None outside store/."""
+    parts = module.split(".")
+    if parts[:2] != ["kvgroups", "store"]:
+        return None
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and (PACKAGE / "store" / parts[2]).is_dir()) else ""
+
+
 def test_the_top_level_holds_only_the_package_its_errors_and_aliases() -> None:
     top_level = {module for module in graph() if module.count(".") <= 1 and part_of(module) in (
         "package", "errors", "alias:transfer", "alias:__main__", "unknown")}
@@ -81,6 +99,28 @@ def test_nothing_imports_upward() -> None:
         allowed = ALLOWED.get(part_of(module), set())
         offenders += [f"{module} -> {target}" for target in sorted(targets) if part_of(target) not in allowed]
     assert offenders == []
+
+
+def test_the_store_rooms_import_only_the_rooms_below_them() -> None:
+    offenders = []
+    for module, targets in graph().items():
+        room = store_room(module)
+        if not room:  # outside store/, or its __init__, which exports every room's public names
+            continue
+        offenders += [f"{module} -> {target}" for target in sorted(targets)
+                      if store_room(target) is not None and store_room(target) not in STORE_ROOMS[room]]
+    assert offenders == []
+
+
+def test_the_store_keeps_its_modules_in_rooms() -> None:
+    store = PACKAGE / "store"
+    assert len(list(store.glob("*.py"))) <= MAX_STORE_TOP_LEVEL_MODULES
+    assert {path.name for path in store.iterdir() if (path / "__init__.py").is_file()} == set(STORE_ROOMS)
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("__init__.py")), ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_every_room_says_what_lives_there(path: Path) -> None:
+    assert ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
 
 
 def test_no_import_cycles() -> None:
@@ -115,6 +155,9 @@ def test_the_layering_is_what_this_test_reads() -> None:
     assert "kvgroups.datapath.transfer" in edges["kvgroups.transfer"]
     assert part_of("kvgroups.models.engine") == "models" and part_of("kvgroups.core.cache_specs") == "core"
     assert part_of("kvgroups.models") == "models" and part_of("kvgroups.transfer") == "alias:transfer"
+    assert "kvgroups.store.backends.base" in edges["kvgroups.store.backends.memory"]
+    assert store_room("kvgroups.store.backends.redis.store") == "backends" and store_room("kvgroups.store") == ""
+    assert store_room("kvgroups.store.chunks") == "chunks" and store_room("kvgroups.core.groups") is None
 
 
 def test_the_command_and_the_core_import_nothing_heavy() -> None:

@@ -161,7 +161,7 @@ def test_data_path_block_runs() -> None:
 def test_transformers_examples_run(tmp_path: Path) -> None:
     """Each PrefixCache block, run twice on one store: the second run reuses what the first saved."""
     pytest.importorskip("transformers")
-    from tests.tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     model = tiny_model("llama", max_position_embeddings=1024)
     input_ids = torch.randint(3, 256, (600,), generator=torch.Generator().manual_seed(0))
@@ -184,7 +184,7 @@ def test_store_example_runs(tmp_path: Path) -> None:
     """The store block on a file store that already holds chunks 0-2: its save of chunk 3 completes a
     1024-token prefix, which it looks up and loads exactly."""
     from kvgroups.store import KVChunkStore
-    from tests.test_chunk_store import build_metadata
+    from tests.support.stored_chunks import build_metadata
 
     (block,) = claimed("test_store_example_runs")
     url = f"file://{tmp_path}/kv"
@@ -209,7 +209,7 @@ def test_store_example_runs(tmp_path: Path) -> None:
 
 def test_metrics_example_runs() -> None:
     """The metrics block on a tiny llama: prompt B shares 3 of prompt A's 4 chunks of 8 tokens."""
-    from tests.tiny_models import tiny_model
+    from tests.support.tiny_models import tiny_model
 
     (block,) = claimed("test_metrics_example_runs")
     generator = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 
 from kvgroups.integrations.vllm.versions import TESTED_VLLM, release, untested_warning
 from kvgroups.models.transformers_types import sweep_data
-from tests.versions import WATCHED, extra, vllm_extra
+from tests.support.versions import WATCHED, extra, vllm_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = {name: ROOT / "locks" / f"{name}.txt" for name in ("main", "vllm", "vllm033", "vllm034")}

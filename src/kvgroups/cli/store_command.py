@@ -53,7 +53,7 @@ def add_store_commands(commands: Any, parser_class: type[argparse.ArgumentParser
 def _header_fields(store: Any, key: str) -> tuple[str, int | None]:
     """An entry's metadata fingerprint and the Unix second it was written (None when it does not say),
     read from its header alone."""
-    from kvgroups.store.codec import MAX_HEADER_BYTES, CorruptEntryError, read_header  # noqa: PLC0415
+    from kvgroups.store.entries.codec import MAX_HEADER_BYTES, CorruptEntryError, read_header  # noqa: PLC0415
 
     prefix = store.get_prefix(key, _HEADER_PROBE_BYTES)
     try:
@@ -102,7 +102,7 @@ def _progress() -> Progress:
 
 
 def _verify(store: Any, delete: bool, secret: Any) -> dict[str, Any]:
-    from kvgroups.store.codec import CorruptEntryError, decode_entry, read_header  # noqa: PLC0415
+    from kvgroups.store.entries.codec import CorruptEntryError, decode_entry, read_header  # noqa: PLC0415
 
     keys = list(store.iter_keys())
     bad = []

@@ -1,6 +1,6 @@
 """What the sweep over every causal-LM model type of transformers found (``transformers_types.json``).
 
-``tests/test_model_type_sweep.py`` builds a tiny model of each type, reads the cache a forward
+``tests/models/test_model_type_sweep.py`` builds a tiny model of each type, reads the cache a forward
 leaves, and checks both ``kvgroups inspect`` (the layers it reads from the config the model saves
 equal what that cache holds) and ``PrefixCache`` (a request reusing another's prefix answers as
 recomputing does). It writes what it found to this file (``KVGROUPS_UPDATE_SWEEP=1``) and fails

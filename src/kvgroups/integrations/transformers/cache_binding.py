@@ -29,7 +29,7 @@ from kvgroups.integrations.transformers.cache_parts import (
     install,
     read_parts,
 )
-from kvgroups.store.prefixes import LoadedEntries
+from kvgroups.store.chunks.prefixes import LoadedEntries
 
 
 class BoundCache:

@@ -31,10 +31,10 @@ from kvgroups.integrations.transformers.restore_check import (
 )
 from kvgroups.integrations.transformers.support import check_supported, model_identity
 from kvgroups.store import KVChunkStore, LoadedEntries, StoreSecret
-from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
-from kvgroups.store.keys import token_array
-from kvgroups.store.metrics import StoreMetrics
-from kvgroups.store.urls import StoreArg
+from kvgroups.store.backends.urls import StoreArg
+from kvgroups.store.chunks.chunk_store import DEFAULT_MAX_PENDING_BYTES
+from kvgroups.store.entries.keys import token_array
+from kvgroups.store.metrics.counters import StoreMetrics
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in all)
 

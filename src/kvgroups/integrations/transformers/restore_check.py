@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from kvgroups.integrations.transformers.cache_binding import CacheBinding
 from kvgroups.integrations.transformers.check_records import CheckRecords, class_name, fingerprint
 from kvgroups.models.transformers_types import sweep_data
-from kvgroups.store.prefixes import LoadedEntries
+from kvgroups.store.chunks.prefixes import LoadedEntries
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import transformers
 
 from kvgroups.errors import KVGroupsError
 from kvgroups.models.transformers_types import sweep_data
-from kvgroups.store.identity import model_identity as identity
-from kvgroups.store.identity import tensors_digest
+from kvgroups.store.entries.identity import model_identity as identity
+from kvgroups.store.entries.identity import tensors_digest
 
 # Which model types reuse was checked right for, and why the others are refused, as the sweep over
-# every causal-LM type found (tests/test_model_type_sweep.py keeps models/transformers_types.json current).
+# every causal-LM type found (tests/models/test_model_type_sweep.py keeps models/transformers_types.json current).
 _VERDICTS = sweep_data().prefix_cache_verdicts()
 VERIFIED_MODEL_TYPES = frozenset(name for name, verdict in _VERDICTS.items() if verdict.verified)
 REFUSED_MODEL_TYPES = {name: verdict.reason for name, verdict in sorted(_VERDICTS.items()) if not verdict.verified}
@@ -50,8 +50,8 @@ def check_supported(model: Any) -> None:
 
 
 def model_identity(model: Any) -> str:
-    """The name a model's chunks are stored under (:mod:`kvgroups.store.identity`'s format): its name
-    or path, :func:`~kvgroups.store.identity.tensors_digest` of its weights, the transformers version."""
+    """The name a model's chunks are stored under (:mod:`kvgroups.store.entries.identity`'s format): its name
+    or path, :func:`~kvgroups.store.entries.identity.tensors_digest` of its weights, the transformers version."""
     name = getattr(model.config, "_name_or_path", "") or model_type_of(model)
     weights = tensors_digest([*model.named_parameters(), *model.named_buffers()])
     return identity(name, f"weights-{weights}", "transformers", transformers.__version__)

@@ -42,9 +42,9 @@ from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec
 
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.plans import LoadPlan, SavePlan
-from kvgroups.store.base import Stored
-from kvgroups.store.chunk_store import KVChunkStore
-from kvgroups.store.codec import CorruptEntryError, EntryInfo
+from kvgroups.store.backends.base import Stored
+from kvgroups.store.chunks.chunk_store import KVChunkStore
+from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo
 
 # The medium an event names, by the kind of the store's last (most durable) tier: names the routers
 # know (Dynamo's StorageTier reads CPU as host memory, DISK as disk, EXTERNAL as a shared store;

@@ -26,8 +26,8 @@ from kvgroups.integrations.vllm.lookups import KnownPrefixes, Lookups, all_tiers
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
 from kvgroups.integrations.vllm.request_state import RequestState, request_options
 from kvgroups.integrations.vllm.stats import ConnectorCounts, StatsReporter
-from kvgroups.store.chunk_store import KVChunkStore
-from kvgroups.store.urls import open_store
+from kvgroups.store.backends.urls import open_store
+from kvgroups.store.chunks.chunk_store import KVChunkStore
 
 logger = logging.getLogger(__name__)
 

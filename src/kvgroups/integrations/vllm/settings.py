@@ -29,11 +29,11 @@ from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.sizes import round_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.handover import DEFAULT_HANDOVER_WAIT_SECONDS
-from kvgroups.store.chunk_store import DEFAULT_MAX_PENDING_BYTES
-from kvgroups.store.identity import files_digest
-from kvgroups.store.identity import model_identity as identity
-from kvgroups.store.redis_settings import mask_url
-from kvgroups.store.secret import StoreSecret
+from kvgroups.store.backends.url_parts import mask_url
+from kvgroups.store.chunks.chunk_store import DEFAULT_MAX_PENDING_BYTES
+from kvgroups.store.entries.identity import files_digest
+from kvgroups.store.entries.identity import model_identity as identity
+from kvgroups.store.entries.secret import StoreSecret
 
 KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode",
               "handover_wait_seconds")
@@ -155,9 +155,9 @@ def _hub_snapshot(name: str, revision: str | None) -> str | None:
 
 
 def model_identity(vllm_config: Any) -> str:
-    """The name a deployment's chunks are stored under (:mod:`kvgroups.store.identity`'s format).
+    """The name a deployment's chunks are stored under (:mod:`kvgroups.store.entries.identity`'s format).
 
-    A local model directory is identified by its name and :func:`~kvgroups.store.identity.files_digest`
+    A local model directory is identified by its name and :func:`~kvgroups.store.entries.identity.files_digest`
     (a copy on another node shares chunks, a fine-tune written over it does not); a hub name by
     the commit of its cached snapshot (else the revision asked for). The vLLM version and the
     model's dtype and quantization follow, since they change the KV bytes.

@@ -1,7 +1,7 @@
 """What the connector tells vLLM: the store's counts since the last step, through vLLM's connector stats.
 
 Each side of the connector (the scheduler's lookups, the workers' loads and saves) hands vLLM the
-changes of its store's :class:`~kvgroups.store.metrics.StoreMetrics` since its last report
+changes of its store's :class:`~kvgroups.store.metrics.counters.StoreMetrics` since its last report
 (:class:`StatsReporter`); vLLM sums the workers' and the scheduler's (``aggregate``), shows
 ``reduce()`` in its periodic log line (``KV Transfer metrics: hit_rate=...``) and hands the sums to
 :class:`KVGroupsPromMetrics`, which exports them on vLLM's own ``/metrics`` as ``vllm:kvgroups_*``
@@ -17,8 +17,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvgroups.store.metrics import SECONDS_BUCKETS, StoreMetrics
-from kvgroups.store.prometheus import COUNTERS, HISTOGRAMS
+from kvgroups.store.metrics.counters import DROP_REASONS, ERROR_KINDS, SECONDS_BUCKETS, StoreMetrics
+from kvgroups.store.metrics.prometheus import COUNTERS, HISTOGRAMS
 
 PREFIX = "vllm:kvgroups_"  # vLLM keeps and re-registers only metrics named vllm:*
 _MIB = float(1 << 20)
@@ -164,10 +164,9 @@ class KVGroupsPromMetrics(KVConnectorPromMetrics):
             "tier_hit_tokens": self._counter_cls(name=PREFIX + "tier_hit_tokens", labelnames=[*labelnames, "tier"],
                                                  documentation="of the hit tokens, those each tier serves"),
             "dropped_saves": self._counter_cls(name=PREFIX + "dropped_saves", labelnames=[*labelnames, "reason"],
-                                               documentation="saves dropped (queue_full, backed_off, no_buffer)"),
+                                               documentation=f"saves dropped ({', '.join(DROP_REASONS)})"),
             "errors": self._counter_cls(name=PREFIX + "errors", labelnames=[*labelnames, "tier", "kind"],
-                                        documentation="store failures per tier (timeout, unavailable, corrupt, "
-                                                      "too_large, full)"),
+                                        documentation=f"store failures per tier ({', '.join(ERROR_KINDS)})"),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -1,7 +1,7 @@
 """The connector's worker side: bind vLLM's registered caches, restore planned prefixes, save new chunks.
 
 A load reads each entry once, into a reused buffer, checks it, and copies it into the request's
-blocks (:class:`~kvgroups.store.entry_reads.EntryReader`, then ``KVTransfer.unpack``); entries below vLLM's own
+blocks (:class:`~kvgroups.store.chunks.entry_reads.EntryReader`, then ``KVTransfer.unpack``); entries below vLLM's own
 prefix-cache hit are not read. Asynchronous loads run in background threads
 (:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, and are reported
 through ``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the
@@ -45,8 +45,9 @@ from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
 from kvgroups.integrations.vllm.stats import StatsReporter
-from kvgroups.store.chunk_store import KVChunkStore
-from kvgroups.store.entry_reads import EntryReader
+from kvgroups.store.chunks.chunk_store import KVChunkStore
+from kvgroups.store.chunks.entry_reads import EntryReader
+from kvgroups.store.metrics.counters import DROP_NO_BUFFER
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ class WorkerSide:
                 (self.deployment.groups[member].chunk_shape(self.chunk_size), self.deployment.groups[member].dtype)
                 for member in packs])
             if buffers is None:
-                store.stats.dropped("no_buffer")
+                store.stats.dropped(DROP_NO_BUFFER)
                 continue
             tensors = {}
             # After the forward that computed these tokens, on the save stream: the engine thread does not wait.

@@ -6,8 +6,8 @@ layer where ``sliding_window`` is set (Mistral's rule).
 Most families need only their ``transformers`` config class's defaults (a config that omits a
 field is read as transformers builds it); older ones spell the standard fields their own way
 (GPT-2's ``n_layer``, a standalone decoder's ``decoder_layers``), named in their ``aliases``.
-``tests/test_model_configs.py`` checks the defaults against the installed config classes, and the
-sweep (``tests/test_model_type_sweep.py``) every family against the cache its model keeps.
+``tests/models/test_model_configs.py`` checks the defaults against the installed config classes, and the
+sweep (``tests/models/test_model_type_sweep.py``) every family against the cache its model keeps.
 """
 
 from __future__ import annotations

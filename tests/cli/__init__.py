@@ -1,0 +1,1 @@
+"""Tests of the kvgroups command: inspect, presets, plot, store and generate."""

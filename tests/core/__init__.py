@@ -1,0 +1,1 @@
+"""Tests of kvgroups.core: layouts, layer groups and their lookups, metadata, fingerprints, LMCache's API."""

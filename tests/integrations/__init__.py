@@ -1,0 +1,1 @@
+"""Tests of the engine integrations, one folder each."""

@@ -1,0 +1,176 @@
+"""The worker's copies as a CUDA engine needs them, checked where a CPU can show it (issue 26): a load is
+reported only once its copies completed, loads launch on the load stream from the load threads and saves
+on the save stream after the engine's work, and nothing on the path of ``wait_for_save`` synchronizes."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgroups.datapath.staging import Staging
+from kvgroups.datapath.streams import DONE, CopyStream
+from kvgroups.integrations.vllm import KVGroupsConnector
+from kvgroups.integrations.vllm.loads import BackgroundLoads
+from tests.integrations.vllm.harness import (
+    ENGINE_LAYOUT,
+    FakeWorker,
+    SchedulerHarness,
+    cache_config,
+    prompt,
+    vllm_config,
+)
+from tests.support.helpers import Pending
+
+CHUNK = 32
+
+
+def test_a_load_is_reported_only_once_its_copies_completed() -> None:
+    loads = BackgroundLoads(bytearray, threads=1)
+    copies, failed_copies = Pending(), Pending()
+    loads.submit("hit", lambda buffer: (True, copies))
+    loads.submit("gone", lambda buffer: (False, failed_copies))
+    with loads._lock:  # the jobs returned; their copies have not completed
+        assert loads._idle.wait_for(lambda: loads._running == 0, 10)
+    assert loads.take() == (set(), set())  # returned is not done: the blocks may still be written
+    copies.done.set()
+    assert loads.take() == ({"hit"}, set())
+    failed_copies.done.set()  # a failed load's partial copies too, before vLLM frees its blocks
+    assert loads.take() == ({"gone"}, {"gone"})
+    loads.submit("raised", lambda buffer: (_ for _ in ()).throw(RuntimeError("store broke")))
+    loads.wait(timeout=10)
+    assert loads.take() == ({"raised"}, {"raised"})
+    loads.close()
+
+
+def test_a_step_that_computes_nothing_waits_for_a_load_not_longer() -> None:
+    """An engine whose every request waits for a load would otherwise loop on empty steps as fast as it
+    can (holding the interpreter's lock the loading thread needs): such a step waits until a load ends,
+    at most a bounded time, and returns at once when one has."""
+    from kvgroups.integrations.vllm.worker_side import IDLE_WAIT_SECONDS
+
+    loads = BackgroundLoads(bytearray, threads=1)
+    release = threading.Event()
+
+    def slow(buffer: Any) -> tuple[bool, Any]:
+        release.wait(10)
+        return True, DONE
+
+    loads.submit("slow", slow)
+    begin = time.perf_counter()
+    loads.wait_for_one(IDLE_WAIT_SECONDS)  # nothing ends: the bound
+    assert IDLE_WAIT_SECONDS * 0.9 <= time.perf_counter() - begin < IDLE_WAIT_SECONDS + 1
+    threading.Timer(0.01, release.set).start()
+    begin = time.perf_counter()
+    loads.wait_for_one(10)  # ends as soon as the load does
+    assert time.perf_counter() - begin < 5 and loads.take() == ({"slow"}, set())
+    begin = time.perf_counter()
+    loads.wait_for_one(10)  # no load runs: at once
+    assert time.perf_counter() - begin < 1
+    loads.close()
+
+
+def test_the_plans_say_when_a_step_computes_nothing(gemma3_dir: Path, tmp_path: Path) -> None:
+    extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
+    kv = cache_config(["sliding", "full"])
+    config = vllm_config(gemma3_dir, extra)
+    first = FakeWorker(config, kv, seed=0)
+    filler = SchedulerHarness(config, kv)
+    filler.add("fill", prompt(100))
+    assert not filler.run(first)[0].metadata.idle
+    harness = SchedulerHarness(config, kv)
+    harness.add("reuse", prompt(100))
+    steps, _, load = harness.admit(FakeWorker(config, kv, seed=1), "reuse")
+    assert load.asynchronous and steps[0].metadata.idle and not steps[-1].metadata.idle
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """Every (stream, thread, what) launch the worker makes, recorded on CopyStream's own methods."""
+    recorded: list[tuple[str, str, str]] = []
+    @contextlib.contextmanager
+    def launching(self: CopyStream, *, after_engine: bool = False) -> Iterator[None]:
+        what = "launch after the engine's work" if after_engine else "launch"
+        recorded.append((self.name, threading.current_thread().name, what))
+        yield
+
+    def record(self: CopyStream) -> Any:
+        recorded.append((self.name, threading.current_thread().name, "record"))
+        return DONE
+
+    def before_engine(self: CopyStream, completion: Any) -> None:
+        recorded.append((self.name, threading.current_thread().name, "the engine waits"))
+
+    monkeypatch.setattr(CopyStream, "name", property(lambda self: getattr(self, "_name", "?")), raising=False)
+    monkeypatch.setattr(CopyStream, "launching", launching)
+    monkeypatch.setattr(CopyStream, "record", record)
+    monkeypatch.setattr(CopyStream, "before_engine", before_engine)
+    return recorded
+
+
+def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
+        gemma3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        launches: list[tuple[str, str, str]]) -> None:
+    def no_synchronize(self: Staging) -> None:
+        raise AssertionError("a copy synchronized on the way of wait_for_save or a load")
+
+    extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
+    kv = cache_config(["sliding", "full"])
+    config = vllm_config(gemma3_dir, extra)
+    first = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=0)
+    second = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=1)
+    for worker in (first, second):
+        worker.side.load_stream._name, worker.side.save_stream._name = "load", "save"  # type: ignore[attr-defined]
+    # Registered (its warm-up may wait): from here on, what pack(out=) and unpack called to wait must not run.
+    monkeypatch.setattr(Staging, "finish", no_synchronize)
+    launches.clear()
+    harness = SchedulerHarness(config, kv)
+    harness.add("fill", prompt(100))
+    harness.run(first)
+    engine = threading.current_thread().name
+    saves = [launch for launch in launches if launch[0] == "save"]
+    # Each chunk: on the save stream, ordered after the engine's work, then an event for the writer; after a
+    # step's saves the engine's stream waits for them (the next forward may rewrite blocks they read).
+    assert saves and saves[:2] == [("save", engine, "launch after the engine's work"), ("save", engine, "record")]
+    assert saves[-2:] == [("save", engine, "record"), ("save", engine, "the engine waits")]
+    launches.clear()
+    fresh = SchedulerHarness(config, kv)
+    fresh.add("reuse", prompt(100))
+    _, computed, load = fresh.admit(second, "reuse")
+    assert computed == 96 and load.asynchronous
+    loads = [launch for launch in launches if launch[0] == "load"]
+    # The load ran in a load thread, inside the load stream (where the caches' device is made current): an
+    # event after each of its 4 entries (sliding: 1 chunk, full: 3), whose buffer is refilled after it, and
+    # one after them all, which says when the load is done.
+    assert loads == [("load", loads[0][1], "launch")] + [("load", loads[0][1], "record")] * 5
+    assert loads[0][1].startswith("kvgroups-load")
+
+
+def test_sleep_drops_every_binding_and_wake_up_binds_again(gemma3_dir: Path, tmp_path: Path) -> None:
+    """vLLM 0.33's sleep mode (unregister_kv_caches / restore_kv_caches), as its GPU worker calls the hooks."""
+    assert KVGroupsConnector.supports_sleep_mode(None)
+    extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
+    kv = cache_config(["sliding", "full"])
+    config = vllm_config(gemma3_dir, extra)
+    filler = SchedulerHarness(config, kv)
+    filler.add("fill", prompt(100))
+    filler.run(FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=0))
+    worker = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=1)
+    worker.side.unregister()
+    worker.side.unregister()  # idempotent, as vLLM asks
+    assert worker.side.transfers == [] and worker.side.load_transfers == []
+    harness = SchedulerHarness(config, kv)
+    harness.add("asleep", prompt(100))
+    steps, _, _ = harness.admit(worker, "asleep")
+    assert {"asleep"} in [step.failed_loads for step in steps]  # nothing written: vLLM recomputes it
+    worker.side.restore()
+    worker.side.restore()
+    assert len(worker.side.transfers) == 2
+    harness.add("awake", prompt(100))
+    steps, computed, _ = harness.admit(worker, "awake")
+    assert computed == 96 and not any(step.failed_loads for step in steps)
