@@ -86,8 +86,26 @@ test-vllm$(1): $$(VLLM$(1)_VENV)/.installed redis-server
 endef
 $(foreach line,$(SCHEDULER_VLLM),$(eval $(call scheduler_environment,$(line))))
 
-.PHONY: setup demo test test-vllm $(SCHEDULER_VLLM:%=test-vllm%) test-transformers-oldest test-latest lock bench soak redis-server \
-	gpu-check
+# The SGLang backend is tested through SGLang's own storage code (its backend factory, host pools, fault
+# injection) on the CPU: SGLang's wheel without its dependencies (CUDA kernels, and torchvision, which has no
+# build for the CPU torch: the tests put a stand-in in its place), on the CPU build of torch, beside what its
+# storage path imports (tests/integrations/sglang/cpu_requirements.txt). Locked like the others (locks/sglang.txt).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PIP := $(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check
+LOCK_SGLANG := $(if $(LOCKED),-c locks/sglang.txt)
+$(SGLANG_VENV)/.installed: pyproject.toml tests/integrations/sglang/cpu_requirements.txt $(if $(LOCKED),locks/sglang.txt)
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PIP) torch==$(TORCH_VERSION)
+	$(SGLANG_PIP) $(LOCK_SGLANG) --no-deps 'sglang>=0.5.23,<0.6'
+	$(SGLANG_PIP) $(LOCK_SGLANG) -r tests/integrations/sglang/cpu_requirements.txt
+	$(SGLANG_PIP) $(LOCK_SGLANG) -e '.[test]'
+	touch $@
+
+test-sglang: $(SGLANG_VENV)/.installed redis-server
+	$(SGLANG_VENV)/bin/pytest -n 2 --durations=4 tests/integrations/sglang
+
+.PHONY: setup demo test test-vllm $(SCHEDULER_VLLM:%=test-vllm%) test-sglang test-transformers-oldest test-latest lock \
+	bench soak redis-server gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -113,6 +131,7 @@ test: $(VENV)/.installed redis-server
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm033
 	$(MAKE) test-vllm034
+	$(MAKE) test-sglang
 
 # The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
 test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
@@ -124,17 +143,18 @@ test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 # The same suites on the newest releases pip resolves today (no lock), in environments of their own: how a new
 # release is found before a user finds it. It prints the versions it got, and any vLLM newer than the extra admits.
 LATEST := VENV=.venv-latest VLLM_VENV=.venv-latest-vllm VLLM033_VENV=.venv-latest-vllm033 \
-	VLLM034_VENV=.venv-latest-vllm034 LOCKED=
+	VLLM034_VENV=.venv-latest-vllm034 SGLANG_VENV=.venv-latest-sglang LOCKED=
 test-latest:
 	$(MAKE) $(LATEST) test
-	@python3 tests/support/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm033 .venv-latest-vllm034
+	@python3 tests/support/versions.py report .venv-latest .venv-latest-vllm .venv-latest-vllm033 .venv-latest-vllm034 \
+		.venv-latest-sglang
 
 # Rewrite locks/*.txt from the newest releases (the environments test-latest builds and tests): the one command
 # that moves this repo's environments to new versions. Run make test-latest first (lock refuses environments
 # that were never built), review the diff, commit.
 lock:
 	python3 tests/support/versions.py lock .venv-latest:locks/main.txt .venv-latest-vllm:locks/vllm.txt \
-		.venv-latest-vllm033:locks/vllm033.txt .venv-latest-vllm034:locks/vllm034.txt
+		.venv-latest-vllm033:locks/vllm033.txt .venv-latest-vllm034:locks/vllm034.txt .venv-latest-sglang:locks/sglang.txt
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (eight tests
 # of 30-80 s each hold most of its time: a worker that is done takes the other's waiting ones); then the

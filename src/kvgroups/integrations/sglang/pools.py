@@ -1,0 +1,164 @@
+"""SGLang's host memory pools as kvgroups describes them, and the pages SGLang's keys name in them.
+
+A host pool keeps every layer's K/V (or MLA latent) rows of a token range in one buffer, in one of
+SGLang's layouts: ``layer_first`` ``[2, layers, tokens, heads, head_dim]``, ``page_first`` ``[2, tokens,
+layers, heads, head_dim]``, ``page_first_direct`` ``[2, pages, layers, page_size, heads, head_dim]`` (MLA
+without the leading 2 and with one latent "head"). Each layer's slice of that buffer is a paged cache
+kvgroups reads like any engine's (``FLASH_ATTN`` pages, or ``MLA``), so the pool is described by kvgroups'
+own layer groups in an ``LMCacheMetadata``: its fingerprint (layers, heads, head sizes, dtype, page size,
+rank) names the page format every stored entry must have.
+
+A page is moved as SGLang's own pool code moves it (``get_data_page`` / ``set_from_flat_data_page``, the
+same bytes SGLang's generic data path hands a backend), so both data paths store and read one entry
+format; the pool's layout is part of the page format, since it decides where each byte of a page sits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvgroups.core.layouts import KVLayout
+from kvgroups.core.metadata import LMCacheMetadata
+from kvgroups.errors import KVGroupsError
+
+# The name of SGLang's primary KV pool (PoolName.KV); sidecar pools (recurrent states, windows) have others.
+KV_POOL = "kv"
+
+
+class UnsupportedPoolError(KVGroupsError):
+    """A host pool kvgroups cannot describe yet; storing its pages would risk another format's bytes."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Which shard of the model a pool holds (SGLang's ``HiCacheStorageConfig``), and the model's name."""
+
+    model_name: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @classmethod
+    def of(cls, storage_config: Any) -> RankInfo:
+        return cls(model_name=storage_config.model_name or "", tp_rank=storage_config.tp_rank,
+                   tp_size=storage_config.tp_size, pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
+                   cp_rank=getattr(storage_config, "attn_cp_rank", 0),
+                   cp_size=getattr(storage_config, "attn_cp_size", 1))
+
+
+@dataclass(frozen=True)
+class PagePool:
+    """One registered host pool: what its pages are, and how a page is read out of it or written into it."""
+
+    name: str
+    host_pool: Any
+    metadata: LMCacheMetadata
+    layout: str
+    page_tokens: int
+    page_dtype: torch.dtype
+    page_numel: int
+    # Whether every tensor-parallel rank holds its own shard (MHA heads) or all hold the same rows (MLA).
+    rank_sharded: bool
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_numel * self.page_dtype.itemsize
+
+    def describe(self) -> dict[str, Any]:
+        """Everything that decides how a page's bytes are read, as plain data (for the key namespace)."""
+        return {"pool": self.name, "layout": self.layout, "fingerprint": self.metadata.fingerprint(),
+                "page_tokens": self.page_tokens, "page_numel": self.page_numel, "dtype": str(self.page_dtype)}
+
+    def read(self, index: int) -> torch.Tensor:
+        """The page starting at host token ``index``, flat, as SGLang's generic data path hands it over."""
+        page: torch.Tensor = self.host_pool.get_data_page(index, flat=True)
+        return page
+
+    def write(self, index: int, page: torch.Tensor) -> None:
+        self.host_pool.set_from_flat_data_page(index, page)
+
+
+def _pages(tensor: torch.Tensor, dim: int, page_tokens: int) -> torch.Tensor:
+    """``tensor`` with its token axis ``dim`` split into ``[pages, page_tokens]`` (a view: nothing is copied)."""
+    shape = list(tensor.shape)
+    return tensor.view(*shape[:dim], shape[dim] // page_tokens, page_tokens, *shape[dim + 1:])
+
+
+def _mha_layers(buffer: torch.Tensor, layout: str, layers: int, page_tokens: int) -> list[torch.Tensor]:
+    """Each layer's slice of an MHA host buffer as FLASH_ATTN pages ``[2, pages, page_tokens, heads, dim]``."""
+    if layout == "layer_first":
+        return [_pages(buffer[:, layer], 1, page_tokens) for layer in range(layers)]
+    if layout == "page_first":
+        return [_pages(buffer[:, :, layer], 1, page_tokens) for layer in range(layers)]
+    if layout == "page_first_direct":
+        return [buffer[:, :, layer] for layer in range(layers)]
+    raise UnsupportedPoolError(f"SGLang host pool layout {layout!r}: kvgroups describes MHA pools in layer_first, "
+                               f"page_first and page_first_direct")
+
+
+def _mla_layers(buffer: torch.Tensor, layout: str, layers: int, page_tokens: int) -> list[torch.Tensor]:
+    """Each layer's slice of an MLA host buffer as MLA pages ``[pages, page_tokens, latent_dim]``."""
+    if layout == "layer_first":
+        return [_pages(buffer[layer, :, 0], 0, page_tokens) for layer in range(layers)]
+    if layout == "page_first":
+        return [_pages(buffer[:, layer, 0], 0, page_tokens) for layer in range(layers)]
+    if layout == "page_first_direct":
+        return [buffer[:, layer, :, 0] for layer in range(layers)]
+    raise UnsupportedPoolError(f"SGLang host pool layout {layout!r}: kvgroups describes MLA pools in layer_first, "
+                               f"page_first and page_first_direct")
+
+
+def _describe_mha(name: str, host_pool: Any, rank: RankInfo) -> PagePool:
+    if host_pool.head_dim != getattr(host_pool, "v_head_dim", host_pool.head_dim):
+        raise UnsupportedPoolError(f"pool {name!r}: keys of {host_pool.head_dim} and values of "
+                                   f"{host_pool.v_head_dim} dims are not described yet")
+    layers = _mha_layers(host_pool.kv_buffer, host_pool.layout, host_pool.layer_num, host_pool.page_size)
+    return _page_pool(name, host_pool, rank, layers, KVLayout.FLASH_ATTN, rank_sharded=True,
+                      kv_shape=(host_pool.layer_num, 2, host_pool.page_size, host_pool.head_num, host_pool.head_dim))
+
+
+def _describe_mla(name: str, host_pool: Any, rank: RankInfo) -> PagePool:
+    layers = _mla_layers(host_pool.kv_buffer, host_pool.layout, host_pool.layer_num, host_pool.page_size)
+    return _page_pool(name, host_pool, rank, layers, KVLayout.MLA, rank_sharded=False,
+                      kv_shape=(host_pool.layer_num, 1, host_pool.page_size, 1, host_pool.kv_cache_dim))
+
+
+def _page_pool(name: str, host_pool: Any, rank: RankInfo, layers: list[torch.Tensor], layout: KVLayout, *,
+               rank_sharded: bool, kv_shape: tuple[int, int, int, int, int]) -> PagePool:
+    # A replicated pool (MLA) is the same on every tensor-parallel rank: one rank's pages serve all of them.
+    worker = rank.tp_rank if rank_sharded else 0
+    metadata = LMCacheMetadata(rank.model_name, rank.tp_size, rank.tp_size, worker, worker, host_pool.dtype,
+                               kv_shape, use_mla=layout is KVLayout.MLA, chunk_size=host_pool.page_size)
+    metadata.kv_layer_groups_manager.build_kv_layer_groups(
+        {f"layers.{index}": cache for index, cache in enumerate(layers)}, layout=layout)
+    dummy = host_pool.get_data_page(0, flat=True)
+    return PagePool(name=name, host_pool=host_pool, metadata=metadata, layout=host_pool.layout,
+                    page_tokens=host_pool.page_size, page_dtype=dummy.dtype, page_numel=dummy.numel(),
+                    rank_sharded=rank_sharded)
+
+
+# SGLang's host pool classes kvgroups describes, by class name (the pools' modules import CUDA-only code
+# paths lazily, so their names are what can be compared without importing them).
+_DESCRIBERS: dict[str, Callable[[str, Any, RankInfo], PagePool]] = {
+    "MHATokenToKVPoolHost": _describe_mha,
+    "MLATokenToKVPoolHost": _describe_mla,
+}
+
+
+def describe_pool(name: str, host_pool: Any, rank: RankInfo) -> PagePool:
+    """``host_pool`` (registered by SGLang under ``name``) as a :class:`PagePool`; a pool of a kind kvgroups
+    does not describe raises :class:`UnsupportedPoolError` naming it, so SGLang refuses to start rather than
+    store pages nobody checked."""
+    for cls in type(host_pool).__mro__:
+        describer = _DESCRIBERS.get(cls.__name__)
+        if describer is not None:
+            return describer(name, host_pool, rank)
+    raise UnsupportedPoolError(f"SGLang host pool {name!r} of type {type(host_pool).__name__}: kvgroups describes "
+                               f"{', '.join(_DESCRIBERS)} (not yet recurrent-state or sliding-window pools)")
