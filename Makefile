@@ -184,7 +184,8 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	touch $@
 
 # Every benchmark; one that could not measure a variant prints a row saying why and exits 1.
-bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.installed redis-server
+bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.installed $(SGLANG_VENV)/.installed \
+		redis-server
 	$(BIN)/python benchmarks/groups.py
 	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/store.py
@@ -197,3 +198,4 @@ bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.install
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32
 	$(VLLM_BIN)/python benchmarks/pd_serving.py
 	$(VLLM_BIN)/python benchmarks/pd_serving.py --model qwen3-next-like
+	$(SGLANG_VENV)/bin/python benchmarks/sglang_storage.py

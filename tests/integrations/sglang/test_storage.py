@@ -27,8 +27,9 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from kvgroups.integrations.sglang import KVGroupsHiCacheStorage
 from kvgroups.integrations.sglang.pools import UnsupportedPoolError
 from kvgroups.integrations.sglang.settings import BackendConfigError
+from kvgroups.store import open_store
 from tests.support.paths import ROOT
-from tests.support.servers import Server, running_server
+from tests.support.servers import Cluster, Server, running_cluster, running_server
 
 PAGE = 4
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -96,20 +97,33 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield started
 
 
-def store_url(kind: str, tmp_path: Path, server: Server) -> str:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("cluster"), replicas=0) as started:
+        yield started
+
+
+def store_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """A fresh store of ``kind``: a file store, a Valkey/Redis server or a Redis Cluster (emptied first)."""
     if kind == "file":
         return f"file://{tmp_path}/kv"
-    redis.Redis.from_url(server.url).flushall()
-    return server.url
+    if kind == "redis":
+        server: Server = request.getfixturevalue("server")
+        redis.Redis.from_url(server.url).flushall()
+        return server.url
+    started: Cluster = request.getfixturevalue("cluster")
+    open_store(started.url).clear()
+    return started.url
 
 
-@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("write_v1", "read_v1"), [(False, False), (True, True), (False, True), (True, False)],
                          ids=["generic", "v1", "generic-then-v1", "v1-then-generic"])
 def test_pages_one_backend_stores_another_reads_byte_for_byte(kind: str, layout: str, write_v1: bool,
-                                                               read_v1: bool, tmp_path: Path, server: Server) -> None:
-    url = store_url(kind, tmp_path, server)
+                                                               read_v1: bool, tmp_path: Path,
+                                                               request: pytest.FixtureRequest) -> None:
+    url = store_url(kind, tmp_path, request)
     source, target = host_pool(layout, seed=1), host_pool(layout)
     writer = backend(storage_config(url, interface_v1=write_v1), source)
     if write_v1:
@@ -332,15 +346,15 @@ def test_get_stats_reports_pages_and_bandwidth_in_sglangs_metrics(tmp_path: Path
 
 
 def test_a_pool_kvgroups_does_not_describe_is_refused_by_name(tmp_path: Path) -> None:
-    """A hybrid's recurrent-state pool (or any other kind) fails SGLang's attach, naming it, rather than have
-    its prefix served without the states."""
+    """A pool of a kind kvgroups does not describe (a sliding window's, say) fails SGLang's attach, naming it,
+    rather than have a prefix served without what that pool holds."""
 
-    class MambaPoolHost:  # stands in for a pool class kvgroups has no describer for
-        page_size = 1
+    class SlidingWindowPoolHost:  # stands in for a pool class kvgroups has no describer for
+        page_size = 4
 
     storage = backend(storage_config(f"file://{tmp_path}/kv"), host_pool())
-    with pytest.raises(UnsupportedPoolError, match="'mamba' of type MambaPoolHost"):
-        storage.register_mem_host_pool_v2(MambaPoolHost(), "mamba")
+    with pytest.raises(UnsupportedPoolError, match="'swa' of type SlidingWindowPoolHost"):
+        storage.register_mem_host_pool_v2(SlidingWindowPoolHost(), "swa")
 
 
 def test_the_documented_command_line_loads_the_backend(tmp_path: Path) -> None:

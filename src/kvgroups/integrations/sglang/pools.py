@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvgroups.core.cache_specs import LayerCacheSpec, RecurrentState
 from kvgroups.core.layouts import KVLayout
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
@@ -130,14 +131,37 @@ def _describe_mla(name: str, host_pool: Any, rank: RankInfo) -> PagePool:
                       kv_shape=(host_pool.layer_num, 1, host_pool.page_size, 1, host_pool.kv_cache_dim))
 
 
-def _page_pool(name: str, host_pool: Any, rank: RankInfo, layers: list[torch.Tensor], layout: KVLayout, *,
-               rank_sharded: bool, kv_shape: tuple[int, int, int, int, int]) -> PagePool:
+def _describe_mamba(name: str, host_pool: Any, rank: RankInfo) -> PagePool:
+    """A recurrent-state pool (mamba, gated DeltaNet): one slot per sequence, each layer's conv states and its
+    temporal (SSM) state at one token; SGLang keeps it page-first, ``[slots, layers, 1, *state_shape]``."""
+    if host_pool.layout not in ("page_first", "page_first_direct"):
+        raise UnsupportedPoolError(f"pool {name!r}: recurrent states in layout {host_pool.layout!r}")
+    if host_pool.slot_state_buffers:
+        raise UnsupportedPoolError(f"pool {name!r}: recurrent states with slot side states are not described yet")
+    buffers = [*host_pool.conv_buffer, *([host_pool.temporal_buffer] if host_pool.temporal_buffer.numel() else [])]
+    caches: dict[str, Any] = {}
+    specs: dict[str, LayerCacheSpec] = {}
+    for layer in range(host_pool.num_mamba_layers):
+        # Each state of a layer is a cache of its own: conv and temporal states may differ in dtype.
+        for part, buffer in enumerate(buffers):
+            state = buffer[:, layer, 0]
+            caches[f"layers.{layer}.state{part}"] = state
+            specs[f"layers.{layer}.state{part}"] = RecurrentState(state_shapes=(tuple(state.shape[1:]),))
+    kv_shape = (host_pool.num_mamba_layers, 2, 1, 1, 1)  # informational: the groups describe the states
+    return _page_pool(name, host_pool, rank, caches, KVLayout.RECURRENT, rank_sharded=True, kv_shape=kv_shape,
+                      specs=specs)
+
+
+def _page_pool(name: str, host_pool: Any, rank: RankInfo, layers: list[torch.Tensor] | dict[str, Any],
+               layout: KVLayout, *, rank_sharded: bool, kv_shape: tuple[int, int, int, int, int],
+               specs: dict[str, LayerCacheSpec] | None = None) -> PagePool:
     # A replicated pool (MLA) is the same on every tensor-parallel rank: one rank's pages serve all of them.
     worker = rank.tp_rank if rank_sharded else 0
     metadata = LMCacheMetadata(rank.model_name, rank.tp_size, rank.tp_size, worker, worker, host_pool.dtype,
                                kv_shape, use_mla=layout is KVLayout.MLA, chunk_size=host_pool.page_size)
+    caches = layers if isinstance(layers, dict) else {f"layers.{index}": cache for index, cache in enumerate(layers)}
     metadata.kv_layer_groups_manager.build_kv_layer_groups(
-        {f"layers.{index}": cache for index, cache in enumerate(layers)}, layout=layout)
+        caches, specs, layout=None if layout is KVLayout.RECURRENT else layout)
     dummy = host_pool.get_data_page(0, flat=True)
     return PagePool(name=name, host_pool=host_pool, metadata=metadata, layout=host_pool.layout,
                     page_tokens=host_pool.page_size, page_dtype=dummy.dtype, page_numel=dummy.numel(),
@@ -149,6 +173,7 @@ def _page_pool(name: str, host_pool: Any, rank: RankInfo, layers: list[torch.Ten
 _DESCRIBERS: dict[str, Callable[[str, Any, RankInfo], PagePool]] = {
     "MHATokenToKVPoolHost": _describe_mha,
     "MLATokenToKVPoolHost": _describe_mla,
+    "MambaPoolHost": _describe_mamba,
 }
 
 
@@ -161,4 +186,4 @@ def describe_pool(name: str, host_pool: Any, rank: RankInfo) -> PagePool:
         if describer is not None:
             return describer(name, host_pool, rank)
     raise UnsupportedPoolError(f"SGLang host pool {name!r} of type {type(host_pool).__name__}: kvgroups describes "
-                               f"{', '.join(_DESCRIBERS)} (not yet recurrent-state or sliding-window pools)")
+                               f"{', '.join(_DESCRIBERS)} (not yet sliding-window or indexer pools)")

@@ -2,44 +2,36 @@
 
 SGLang names each page of ``page_size`` tokens by a hash chained over the pages before it, and asks in
 batches from its storage threads: which leading pages exist (prefetch), read them into host pages,
-write host pages (backup). Each page is one kvgroups entry (checksummed, or sealed with a keyed MAC and
-optionally encrypted under a deployment secret) stored under a key derived from SGLang's page hash and
-a namespace of everything that decides how the page's bytes are read: the model, the pool's layer groups
-and layout, dtype, page size, the tensor-parallel rank where ranks hold different shards, the pipeline
-stage, the tenant salt. Another model, layout, page size or rank therefore never hits; with a secret
-the key is keyed too, so nobody without it can confirm a guessed prompt from the store's keys.
-
-Nothing the store does reaches SGLang's threads as an exception: a store that is down, slow, full or
-corrupt is a miss (or a failed write), counted in kvgroups' metrics, and a store that failed is left
-alone for a while (:class:`~kvgroups.store.backends.health.Backoff`) so a hung server costs one timeout,
-not one per page. An entry that does not check out is deleted and counted; a page is never served
-from bytes another page, model or writer put there.
+write host pages (backup), and for a hybrid the same of the pools beside the KV pool (recurrent states),
+each with its hit policy (:mod:`~kvgroups.integrations.sglang.prefix_hits`). This module is SGLang's API;
+the pages' keys, entries and failures are :mod:`~kvgroups.integrations.sglang.page_store`'s, the pools'
+description :mod:`~kvgroups.integrations.sglang.pools`'. A read stops at the first page that is missing or
+does not check out, and nothing a store does reaches SGLang's threads as an exception.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
+from kvgroups.integrations.sglang.page_store import PageStore
 from kvgroups.integrations.sglang.pools import KV_POOL, PagePool, RankInfo, describe_pool
+from kvgroups.integrations.sglang.prefix_hits import POLICIES, PoolPresence, prefix_hits
 from kvgroups.integrations.sglang.settings import BackendSettings
-from kvgroups.store.backends.base import ByteStore
-from kvgroups.store.backends.health import Backoff, RateLimitedLog
-from kvgroups.store.backends.urls import open_store
-from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo, decode_entry, encode_entry
-from kvgroups.store.metrics.counters import DROP_BACKED_OFF, REGISTRY, StoreMetrics
-from kvgroups.store.metrics.prometheus import install as install_prometheus
 
 logger = logging.getLogger(__name__)
 
-KEY_FORMAT = "kvgroups.sglang-page/1"
 
 
 class KVGroupsHiCacheStorage(HiCacheStorage):
@@ -51,16 +43,10 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
         self.rank = RankInfo.of(storage_config)
         # Under MLA one rank writes for all (SGLang's is_storage_writer); every rank reads.
         self.is_writer = bool(getattr(storage_config, "is_storage_writer", True))
-        self.store: ByteStore = open_store(list(self.settings.stores))
+        self.pages = PageStore(self.settings, self.rank)
+        self.store = self.pages.store
+        self.stats = self.pages.stats
         self.pools: dict[str, PagePool] = {}
-        self._namespaces: dict[str, bytes] = {}
-        self._log = RateLimitedLog(logger)
-        self._backoff = Backoff(f"sglang:{self.store.url}", self._log)
-        self.stats = StoreMetrics(tier=self.store.tier_name, num_groups=1)
-        self._recent: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                                                "backup_bandwidth": []}
-        REGISTRY.add(self, self.stats)
-        install_prometheus()
         logger.info("kvgroups HiCache storage on %s (tp rank %d of %d)", ", ".join(self.settings.shown_stores),
                     self.rank.tp_rank, self.rank.tp_size)
 
@@ -77,11 +63,7 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
 
     def _add_pool(self, name: str, host_pool: Any) -> None:
         pool = describe_pool(name, host_pool, self.rank)
-        described = {"format": KEY_FORMAT, **pool.describe(), "model": self.rank.model_name,
-                     "tp": [self.rank.tp_rank, self.rank.tp_size] if pool.rank_sharded else None,
-                     "pp": [self.rank.pp_rank, self.rank.pp_size], "cp": [self.rank.cp_rank, self.rank.cp_size],
-                     "salt": self.settings.salt}
-        self._namespaces[name] = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
+        self.pages.add_pool(pool)
         self.pools[name] = pool
 
     def _pool(self) -> PagePool:
@@ -90,108 +72,6 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
             raise RuntimeError("kvgroups HiCache storage: no host pool was registered")
         return pool
 
-    # --- keys and entries ------------------------------------------------------------------------
-    def store_key(self, page_hash: str, pool_name: str = KV_POOL) -> str:
-        """The store key of SGLang's page ``page_hash`` in pool ``pool_name``: keyed under the secret if set."""
-        namespace, page = self._namespaces[pool_name], page_hash.encode("utf-8")
-        secret = self.settings.secret
-        digest = secret.chain(namespace, page) if secret is not None else hashlib.sha256(namespace + page).digest()
-        return f"sglang:{digest.hex()}"
-
-    def _info(self, pool: PagePool, key: str) -> EntryInfo:
-        return EntryInfo(key=key, fingerprint=pool.metadata.fingerprint(), group_index=0, chunk_index=0,
-                         dtype=pool.page_dtype, shape=(pool.page_numel,))
-
-    def _encode(self, pool: PagePool, key: str, page: torch.Tensor) -> bytes:
-        return encode_entry(page.reshape(-1), self._info(pool, key), secret=self.settings.secret,
-                            encrypt=self.settings.encrypt)
-
-    # --- store calls, each a miss on failure -------------------------------------------------------
-    def _available(self) -> bool:
-        return self._backoff.available()
-
-    def _failed(self, action: str, error: BaseException) -> None:
-        if action == "save":
-            self.stats.failed_saves += 1
-        else:
-            self.stats.failed_reads += 1
-        self.store.record_error(error)
-        self._backoff.failed(action, error)
-
-    def _existing(self, keys: Sequence[str]) -> list[bool]:
-        if not keys or not self._available():
-            return [False] * len(keys)
-        try:
-            return list(self.store.contains_many(list(keys)))
-        except Exception as error:  # nothing a store does may reach SGLang's storage threads
-            self._failed("lookup", error)
-            return [False] * len(keys)
-
-    def _read_pages(self, pool: PagePool, page_hashes: Sequence[str]) -> list[torch.Tensor | None]:
-        """The pages, decoded and checked, until the first that is missing or does not check out."""
-        if not page_hashes or not self._available():
-            return [None] * len(page_hashes)
-        keys = [self.store_key(page_hash, pool.name) for page_hash in page_hashes]
-        infos = [self._info(pool, key) for key in keys]
-        started = time.perf_counter()
-        try:
-            values = self.store.get_many(keys, max_bytes=infos[0].max_entry_bytes)
-        except Exception as error:  # a failed read is a miss
-            self._failed("load", error)
-            return [None] * len(page_hashes)
-        pages: list[torch.Tensor | None] = []
-        for key, info, value in zip(keys, infos, values, strict=True):
-            page = None if value is None or (pages and pages[-1] is None) else self._decode(key, info, value)
-            pages.append(page)
-        served = sum(page is not None for page in pages)
-        self.stats.loaded(served * pool.page_tokens, time.perf_counter() - started, short=served < len(pages))
-        self.stats.bytes_read[0] += served * pool.page_bytes
-        self._note("prefetch", served, pool, time.perf_counter() - started)
-        return pages
-
-    def _decode(self, key: str, info: EntryInfo, value: Any) -> torch.Tensor | None:
-        try:
-            return decode_entry(value, info, secret=self.settings.secret)
-        except CorruptEntryError as error:
-            self.stats.corrupt_entries += 1
-            self.store.record_error(error)
-            self._log.warning("corrupt", "kvgroups HiCache storage: an entry is corrupt (%d so far), deleting it: "
-                              "%s", self.stats.corrupt_entries, error)
-            try:
-                self.store.delete(key)
-            except Exception as delete_error:  # the next read misses it all the same
-                self.store.record_error(delete_error)
-            return None
-
-    def _write_pages(self, pool: PagePool, page_hashes: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """Write the pages not stored yet (a page SGLang writes twice is written once); whether each is stored."""
-        if not page_hashes:
-            return []
-        if not self._available():
-            self.stats.dropped(DROP_BACKED_OFF)
-            return [False] * len(page_hashes)
-        keys = [self.store_key(page_hash, pool.name) for page_hash in page_hashes]
-        started = time.perf_counter()
-        try:
-            stored = self.store.contains_many(keys)
-            items = [(key, self._encode(pool, key, page))
-                     for key, page, there in zip(keys, pages, stored, strict=True) if not there]
-            if items:
-                self.store.put_many(items)
-        except Exception as error:  # a failed write leaves the page to be computed again
-            self._failed("save", error)
-            return [False] * len(page_hashes)
-        seconds = time.perf_counter() - started
-        for _, value in items:
-            self.stats.saved(len(value), seconds / len(items))
-        self._note("backup", len(keys), pool, seconds)
-        return [True] * len(keys)
-
-    def _note(self, direction: str, pages: int, pool: PagePool, seconds: float) -> None:
-        if pages:
-            self._recent[f"{direction}_pgs"].append(pages)
-            self._recent[f"{direction}_bandwidth"].append(pages * pool.page_bytes / max(seconds, 1e-9) / 1e9)
-
     # --- SGLang's generic data path: flat pages ----------------------------------------------------
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -199,7 +79,7 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         started = time.perf_counter()
         pool = self._pool()
-        found = self._existing([self.store_key(key) for key in keys])
+        found = self.pages.existing([self.pages.store_key(key) for key in keys])
         hits = found.index(False) if False in found else len(found)
         self.stats.looked_up(len(keys) * pool.page_tokens, {self.store.tier_name: hits * pool.page_tokens},
                              time.perf_counter() - started)
@@ -213,13 +93,17 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         pool = self._pool()
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        results: list[torch.Tensor | None] = []
-        for page, target in zip(self._read_pages(pool, keys), targets, strict=True):
-            if page is None or target is None:
-                results.append(page)
-                continue
-            target.view(-1).copy_(page)
-            results.append(target)
+        results: list[torch.Tensor | None] = [None] * len(keys)
+
+        def into_target(index: int, page: torch.Tensor) -> None:
+            target = targets[index]
+            if target is None:
+                results[index] = page.clone()
+            else:
+                target.view(-1).copy_(page)
+                results[index] = target
+
+        self.pages.read_pages(pool, keys, into_target)
         return results
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -227,29 +111,109 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        if not self.is_writer:
-            return True
         pool = self._pool()
-        return all(self._write_pages(pool, keys, list(values)))
+        if not self._writes(pool):
+            return True
+        return all(self.pages.write_pages(pool, keys, list(values)))
+
+    def _writes(self, pool: PagePool) -> bool:
+        """Whether this rank stores ``pool``'s pages: every rank its own shard; a pool every rank holds alike
+        (MLA's KV) only the rank SGLang names its writer."""
+        return pool.rank_sharded or self.is_writer
 
     # --- zero-copy data path ("interface_v1"): pages straight from and into the host pool -----------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         pool = self._pool()
-        results = []
-        for index, page in enumerate(self._read_pages(pool, keys)):
-            if page is not None:
-                pool.write(int(host_indices[index * pool.page_tokens]), page)
-            results.append(page is not None)
-        return results
+        return self.pages.read_pages(
+            pool, keys, lambda index, page: pool.write(int(host_indices[index * pool.page_tokens]), page))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if not self.is_writer:
-            return [True] * len(keys)
         pool = self._pool()
+        if not self._writes(pool):
+            return [True] * len(keys)
         pages = [pool.read(int(host_indices[index * pool.page_tokens])) for index in range(len(keys))]
-        return self._write_pages(pool, keys, pages)
+        return self.pages.write_pages(pool, keys, pages)
+
+    # --- hybrids: pools beside the KV pool (recurrent states), each with its hit policy ----------------
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The longest prefix of ``keys`` whose KV pages exist and at whose end every other pool has what its
+        hit policy asks for: every page (``ALL_PAGES``), or the last ``len(transfer.keys)`` pages
+        (``TRAILING_PAGES``: a recurrent state exists only where a node ended); every such prefix length is
+        reported, since each rank's shard may hold another set and SGLang intersects them."""
+        started = time.perf_counter()
+        kv = self._pool()
+        transfers = [transfer for transfer in pool_transfers or [] if self._known(transfer)]
+        checked = [*[self.pages.store_key(key) for key in keys],
+                   *[self.pages.store_key(key, self._name(transfer)) for transfer in transfers for key in keys]]
+        found = self.pages.existing(checked)
+        pools = [PoolPresence(self._name(transfer), str(getattr(transfer.hit_policy, "value", transfer.hit_policy)),
+                              len(transfer.keys or ()), found[number * len(keys): (number + 1) * len(keys)])
+                 for number, transfer in enumerate(transfers, start=1)]
+        hits = prefix_hits(found[: len(keys)], pools, kv_name=KV_POOL)
+        self.stats.looked_up(len(keys) * kv.page_tokens, {self.store.tier_name: hits.pages * kv.page_tokens},
+                             time.perf_counter() - started)
+        return PoolTransferResult(hits.pages, hits.per_pool, hits.restorable)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys, name = list(transfer.keys or ()), self._name(transfer)
+            pool = self.pools.get(name)
+            done = [False] * len(keys)
+            if pool is not None and self._indices_fit(transfer, pool):
+                done = self.pages.read_pages(pool, keys, self._into_pool(transfer, pool))
+            # Transfers of one pool answer in order, in one list: a failure in any shortens its leading run.
+            results.setdefault(name, []).extend(done)
+        return results
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys, name = list(transfer.keys or ()), self._name(transfer)
+            pool = self.pools.get(name)
+            if pool is None or not self._indices_fit(transfer, pool):
+                done = [False] * len(keys)
+            elif not self._writes(pool):
+                done = [True] * len(keys)
+            else:
+                pages = [pool.read(self._host_index(transfer, pool, index)) for index in range(len(keys))]
+                done = self.pages.write_pages(pool, keys, pages)
+            results.setdefault(name, []).extend(done)
+        return results
+
+    @staticmethod
+    def _name(transfer: PoolTransfer) -> str:
+        return str(getattr(transfer.name, "value", transfer.name))
+
+    def _known(self, transfer: PoolTransfer) -> bool:
+        """A pool whose hit this backend can judge (registered, and a policy it implements)."""
+        if self._name(transfer) in self.pools and str(getattr(transfer.hit_policy, "value", "")) in POLICIES:
+            return True
+        self.pages.warn("pool", "kvgroups HiCache storage: pool %s (%s) is not one it stores; it gets no hit",
+                          self._name(transfer), transfer.hit_policy)
+        return False
+
+    def _indices_fit(self, transfer: PoolTransfer, pool: PagePool) -> bool:
+        keys, indices = transfer.keys or [], transfer.host_indices
+        if indices is not None and indices.numel() == len(keys) * pool.page_tokens:
+            return True
+        self.pages.warn("indices", "kvgroups HiCache storage: pool %s: %s host indices for %d pages of %d",
+                          pool.name, "no" if indices is None else indices.numel(), len(keys), pool.page_tokens)
+        return False
+
+    def _into_pool(self, transfer: PoolTransfer, pool: PagePool) -> Callable[[int, torch.Tensor], None]:
+        """Where a transfer's ``index``-th page goes: its host slot in ``pool``."""
+        return lambda index, page: pool.write(self._host_index(transfer, pool, index), page)
+
+    @staticmethod
+    def _host_index(transfer: PoolTransfer, pool: PagePool, page: int) -> int:
+        indices = transfer.host_indices
+        return int(indices[page * pool.page_tokens]) if indices is not None else -1
 
     # --- what SGLang reports ----------------------------------------------------------------------
     def get_stats(self) -> Any:
@@ -257,14 +221,13 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
         from sglang.srt.observability.metrics_collector import StorageMetrics  # noqa: PLC0415 - SGLang's own
 
         metrics = StorageMetrics()
-        for name, values in self._recent.items():
+        for name, values in self.pages.recent.items():
             getattr(metrics, name).extend(values)
             values.clear()
         return metrics
 
-    def gauges(self) -> dict[str, dict[tuple[str, ...], float]]:
-        """What is true now, for kvgroups' Prometheus metrics: whether the store is backed off."""
-        return {"backed_off": {(self.store.tier_name,): float(not self._backoff.available())}}
+    def store_key(self, page_hash: str, pool_name: str = KV_POOL) -> str:
+        return self.pages.store_key(page_hash, pool_name)
 
     def close(self) -> None:
-        self.store.close()
+        self.pages.close()

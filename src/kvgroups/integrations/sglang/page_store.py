@@ -1,0 +1,193 @@
+"""SGLang's pages in a kvgroups store: their keys, their entries, and every store call a miss on failure.
+
+Each page is one kvgroups entry (checksummed, or sealed with a keyed MAC and optionally encrypted under a
+deployment secret), stored under a key derived from SGLang's page hash and a namespace of everything that
+decides how the page's bytes are read: the model, the pool's layer groups and layout, dtype, page size,
+the tensor-parallel rank where ranks hold different shards, the pipeline stage, the tenant salt. Another
+model, layout, page size or rank therefore never hits; with a secret the key is keyed too, so nobody
+without it can confirm a guessed prompt from the store's keys.
+
+Nothing a store does escapes: a store that is down, slow, full or corrupt is a miss (or a failed write),
+counted in kvgroups' metrics, and a store that failed is left alone for a while
+(:class:`~kvgroups.store.backends.health.Backoff`), so a hung server costs one timeout, not one per
+page. An entry that does not check out is deleted and counted; a page is never served from bytes
+another page, model or writer put there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvgroups.integrations.sglang.pools import KV_POOL, PagePool, RankInfo
+from kvgroups.integrations.sglang.settings import BackendSettings
+from kvgroups.store.backends.base import ByteStore
+from kvgroups.store.backends.health import Backoff, RateLimitedLog
+from kvgroups.store.backends.urls import open_store
+from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo, encode_entry, view_entry
+from kvgroups.store.metrics.counters import DROP_BACKED_OFF, REGISTRY, StoreMetrics
+from kvgroups.store.metrics.prometheus import install as install_prometheus
+
+logger = logging.getLogger(__name__)
+
+KEY_FORMAT = "kvgroups.sglang-page/1"
+# What SGLang's StorageMetrics report, per prefetch and per backup since the last report.
+RECENT = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
+
+
+class PageStore:
+    """The pages of the pools SGLang registered, in the store the settings name; thread-safe as the store is."""
+
+    def __init__(self, settings: BackendSettings, rank: RankInfo) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.store: ByteStore = open_store(list(settings.stores))
+        self._namespaces: dict[str, bytes] = {}
+        self._log = RateLimitedLog(logger)
+        self._backoff = Backoff(f"sglang:{self.store.url}", self._log)
+        self.stats = StoreMetrics(tier=self.store.tier_name, num_groups=1)
+        self.recent: dict[str, list[float]] = {name: [] for name in RECENT}
+        self._buffers = threading.local()  # SGLang reads from several threads: a read buffer each
+        REGISTRY.add(self, self.stats)
+        install_prometheus()
+
+    def add_pool(self, pool: PagePool) -> None:
+        described = {"format": KEY_FORMAT, **pool.describe(), "model": self.rank.model_name,
+                     "tp": [self.rank.tp_rank, self.rank.tp_size] if pool.rank_sharded else None,
+                     "pp": [self.rank.pp_rank, self.rank.pp_size], "cp": [self.rank.cp_rank, self.rank.cp_size],
+                     "salt": self.settings.salt}
+        self._namespaces[pool.name] = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
+
+    # --- keys and entries ------------------------------------------------------------------------
+    def store_key(self, page_hash: str, pool_name: str = KV_POOL) -> str:
+        """The store key of SGLang's page ``page_hash`` in pool ``pool_name``: keyed under the secret if set."""
+        namespace, page = self._namespaces[pool_name], page_hash.encode("utf-8")
+        secret = self.settings.secret
+        digest = secret.chain(namespace, page) if secret is not None else hashlib.sha256(namespace + page).digest()
+        return f"sglang:{digest.hex()}"
+
+    def _info(self, pool: PagePool, key: str) -> EntryInfo:
+        return EntryInfo(key=key, fingerprint=pool.metadata.fingerprint(), group_index=0, chunk_index=0,
+                         dtype=pool.page_dtype, shape=(pool.page_numel,))
+
+    def _encode(self, pool: PagePool, key: str, page: torch.Tensor) -> bytes:
+        return encode_entry(page.reshape(-1), self._info(pool, key), secret=self.settings.secret,
+                            encrypt=self.settings.encrypt)
+
+    # --- store calls, each a miss on failure -------------------------------------------------------
+    def available(self) -> bool:
+        return self._backoff.available()
+
+    def _failed(self, action: str, error: BaseException) -> None:
+        if action == "save":
+            self.stats.failed_saves += 1
+        else:
+            self.stats.failed_reads += 1
+        self.store.record_error(error)
+        self._backoff.failed(action, error)
+
+    def existing(self, keys: Sequence[str]) -> list[bool]:
+        if not keys or not self.available():
+            return [False] * len(keys)
+        try:
+            return list(self.store.contains_many(list(keys)))
+        except Exception as error:  # nothing a store does may reach SGLang's storage threads
+            self._failed("lookup", error)
+            return [False] * len(keys)
+
+    def read_pages(self, pool: PagePool, page_hashes: Sequence[str],
+                   consume: Callable[[int, torch.Tensor], None]) -> list[bool]:
+        """Read the pages in order, each straight into a buffer this thread reuses, check it, and hand it to
+        ``consume`` (which copies it where it goes: the page's bytes are read once and copied once), until
+        the first that is missing or does not check out; which pages were consumed."""
+        done = [False] * len(page_hashes)
+        if not page_hashes or not self.available():
+            return done
+        started = time.perf_counter()
+        buffer = self._buffer(pool)
+        for index, page_hash in enumerate(page_hashes):
+            key = self.store_key(page_hash, pool.name)
+            try:
+                value = self.store.get_into(key, buffer)
+            except Exception as error:  # a failed read is a miss
+                self._failed("load", error)
+                break
+            page = None if value is None else self._decode(key, self._info(pool, key), value)
+            if page is None:
+                break
+            consume(index, page)
+            done[index] = True
+        served, seconds = sum(done), time.perf_counter() - started
+        self.stats.loaded(served * pool.page_tokens, seconds, short=served < len(done))
+        self.stats.bytes_read[0] += served * pool.page_bytes
+        self._note("prefetch", served, pool, seconds)
+        return done
+
+    def _buffer(self, pool: PagePool) -> memoryview:
+        """This thread's read buffer for ``pool``'s entries: one byte past the largest such entry."""
+        buffers: dict[str, memoryview] = self._buffers.__dict__.setdefault("by_pool", {})
+        size = self._info(pool, "").max_entry_bytes + 1
+        if pool.name not in buffers or buffers[pool.name].nbytes != size:
+            buffers[pool.name] = memoryview(bytearray(size))
+        return buffers[pool.name]
+
+    def _decode(self, key: str, info: EntryInfo, value: Any) -> torch.Tensor | None:
+        try:
+            # A view of the value read: the page is copied once, into the host pool or SGLang's buffer.
+            return view_entry(value, info, secret=self.settings.secret)
+        except CorruptEntryError as error:
+            self.stats.corrupt_entries += 1
+            self.store.record_error(error)
+            self._log.warning("corrupt", "kvgroups HiCache storage: an entry is corrupt (%d so far), deleting it: "
+                              "%s", self.stats.corrupt_entries, error)
+            try:
+                self.store.delete(key)
+            except Exception as delete_error:  # the next read misses it all the same
+                self.store.record_error(delete_error)
+            return None
+
+    def write_pages(self, pool: PagePool, page_hashes: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Write the pages not stored yet (a page SGLang writes twice is written once); whether each is stored."""
+        if not page_hashes:
+            return []
+        if not self.available():
+            self.stats.dropped(DROP_BACKED_OFF)
+            return [False] * len(page_hashes)
+        keys = [self.store_key(page_hash, pool.name) for page_hash in page_hashes]
+        started = time.perf_counter()
+        try:
+            stored = self.store.contains_many(keys)
+            items = [(key, self._encode(pool, key, page))
+                     for key, page, there in zip(keys, pages, stored, strict=True) if not there]
+            if items:
+                self.store.put_many(items)
+        except Exception as error:  # a failed write leaves the page to be computed again
+            self._failed("save", error)
+            return [False] * len(page_hashes)
+        seconds = time.perf_counter() - started
+        for _, value in items:
+            self.stats.saved(len(value), seconds / len(items))
+        self._note("backup", len(keys), pool, seconds)
+        return [True] * len(keys)
+
+    def _note(self, direction: str, pages: int, pool: PagePool, seconds: float) -> None:
+        if pages:
+            self.recent[f"{direction}_pgs"].append(pages)
+            self.recent[f"{direction}_bandwidth"].append(pages * pool.page_bytes / max(seconds, 1e-9) / 1e9)
+
+    def gauges(self) -> dict[str, dict[tuple[str, ...], float]]:
+        """What is true now, for kvgroups' Prometheus metrics: whether the store is backed off."""
+        return {"backed_off": {(self.store.tier_name,): float(not self._backoff.available())}}
+
+    def warn(self, topic: str, message: str, *args: Any) -> None:
+        self._log.warning(topic, message, *args)
+
+    def close(self) -> None:
+        self.store.close()
