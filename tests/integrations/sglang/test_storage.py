@@ -220,6 +220,21 @@ def test_a_flipped_byte_is_a_counted_miss_and_the_entry_is_deleted(tmp_path: Pat
     assert reader.batch_exists(HASHES[:2]) == 0
 
 
+def test_a_damaged_copy_in_a_tier_list_is_served_from_the_next_tier_that_holds_it_intact(tmp_path: Path) -> None:
+    tiers = [f"file://{tmp_path}/front", f"file://{tmp_path}/back"]
+    source = host_pool(seed=14)
+    assert backend(storage_config(tiers), source).batch_set(HASHES[:2], pages(source, 0, 2))
+    for victim in (path for path in (tmp_path / "front").rglob("*") if path.is_file() and path.stat().st_size > 1000):
+        data = bytearray(victim.read_bytes())
+        data[-7] ^= 0x10
+        victim.write_bytes(bytes(data))
+    target = host_pool()
+    reader = backend(storage_config(tiers, interface_v1=True), target)
+    assert reader.batch_get_v1(HASHES[:2], host_indices(target, 0, 2)) == [True, True]
+    assert all(torch.equal(got, want) for got, want in zip(pages(target, 0, 2), pages(source, 0, 2), strict=True))
+    assert reader.stats.corrupt_entries == 2
+
+
 def test_with_a_secret_an_entry_written_without_it_is_a_miss(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/kv"
     secret_file = tmp_path / "secret"

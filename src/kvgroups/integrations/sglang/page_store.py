@@ -113,13 +113,7 @@ class PageStore:
         started = time.perf_counter()
         buffer = self._buffer(pool)
         for index, page_hash in enumerate(page_hashes):
-            key = self.store_key(page_hash, pool.name)
-            try:
-                value = self.store.get_into(key, buffer)
-            except Exception as error:  # a failed read is a miss
-                self._failed("load", error)
-                break
-            page = None if value is None else self._decode(key, self._info(pool, key), value)
+            page = self._read_page(pool, self.store_key(page_hash, pool.name), buffer)
             if page is None:
                 break
             consume(index, page)
@@ -138,20 +132,33 @@ class PageStore:
             buffers[pool.name] = memoryview(bytearray(size))
         return buffers[pool.name]
 
-    def _decode(self, key: str, info: EntryInfo, value: Any) -> torch.Tensor | None:
-        try:
-            # A view of the value read: the page is copied once, into the host pool or SGLang's buffer.
-            return view_entry(value, info, secret=self.settings.secret)
-        except CorruptEntryError as error:
-            self.stats.corrupt_entries += 1
-            self.store.record_error(error)
-            self._log.warning("corrupt", "kvgroups HiCache storage: an entry is corrupt (%d so far), deleting it: "
-                              "%s", self.stats.corrupt_entries, error)
+    def _read_page(self, pool: PagePool, key: str, buffer: memoryview) -> torch.Tensor | None:
+        """The page under ``key``, checked, as a view of ``buffer``; None when missing, unreadable or when no
+        copy checks out. A copy that does not is counted and discarded, and where a later tier of a tier
+        list holds another copy, that one is read and checked in its place."""
+        info = self._info(pool, key)
+        for _ in range(len(self.store.tiers)):
             try:
-                self.store.delete(key)
-            except Exception as delete_error:  # the next read misses it all the same
-                self.store.record_error(delete_error)
-            return None
+                value = self.store.get_into(key, buffer)
+            except Exception as error:  # a failed read is a miss
+                self._failed("load", error)
+                return None
+            if value is None:
+                return None
+            try:
+                return view_entry(value, info, secret=self.settings.secret)
+            except CorruptEntryError as error:
+                self.stats.corrupt_entries += 1
+                self.store.record_error(error)
+                self._log.warning("corrupt", "kvgroups HiCache storage: an entry is corrupt (%d so far), "
+                                  "discarding it: %s", self.stats.corrupt_entries, error)
+                try:
+                    if not self.store.discard_served(key, value, info.max_entry_bytes):
+                        return None
+                except Exception as discard_error:  # the next read misses it all the same
+                    self.store.record_error(discard_error)
+                    return None
+        return None
 
     def write_pages(self, pool: PagePool, page_hashes: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Write the pages not stored yet (a page SGLang writes twice is written once); whether each is stored."""
