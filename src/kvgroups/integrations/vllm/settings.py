@@ -28,6 +28,7 @@ from huggingface_hub import snapshot_download
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.sizes import round_up
 from kvgroups.errors import KVGroupsError
+from kvgroups.integrations.store_options import STORE_KEYS, read_store_options
 from kvgroups.integrations.vllm.handover import DEFAULT_HANDOVER_WAIT_SECONDS
 from kvgroups.store.backends.url_parts import mask_url
 from kvgroups.store.chunks.chunk_store import DEFAULT_MAX_PENDING_BYTES
@@ -35,8 +36,7 @@ from kvgroups.store.entries.identity import files_digest
 from kvgroups.store.entries.identity import model_identity as identity
 from kvgroups.store.entries.secret import StoreSecret
 
-KNOWN_KEYS = ("store", "chunk_size", "salt", "secret_file", "encrypt", "max_pending_bytes", "load_mode",
-              "handover_wait_seconds")
+KNOWN_KEYS = (*STORE_KEYS, "chunk_size", "max_pending_bytes", "load_mode", "handover_wait_seconds")
 MAX_HANDOVER_WAIT_SECONDS = 600.0
 # Without "chunk_size" a chunk is the smallest multiple of every KV-cache group's block size (vLLM
 # picks a hybrid's at start-up, to fit a state in a page) holding at least this many tokens (but see
@@ -79,26 +79,14 @@ class ConnectorSettings:
         unknown = sorted(set(extra) - set(KNOWN_KEYS))
         if unknown:
             problems.append(f"unknown keys {unknown} (known: {', '.join(KNOWN_KEYS)})")
-        store = extra.get("store")
-        urls = [store] if isinstance(store, str) else store
-        if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(url, str) and url for url in urls):
-            shown = [mask_url(url) if isinstance(url, str) else url for url in urls] \
-                if isinstance(urls, (list, tuple)) else store
-            problems.append(f"'store' must be a store URL or a non-empty list of them, got {shown!r}")
-            urls = []
-        in_process = [url for url in urls if url.startswith("memory:")]
+        options = read_store_options(extra, problems)
+        in_process = [url for url in options.stores if url.startswith("memory:")]
         if in_process:
             problems.append(f"'store' {in_process} lives in one process, but vLLM's scheduler and workers run "
                             f"in different processes: use file:// or redis:// (valkey://)")
         chunk_size = extra.get("chunk_size", FOLLOW_BLOCKS)
         if "chunk_size" in extra and not is_int_at_least(chunk_size, 1):
             problems.append(f"'chunk_size' must be an int >= 1, got {chunk_size!r}")
-        salt = extra.get("salt", "")
-        if not isinstance(salt, str):
-            problems.append(f"'salt' must be a str, got {type(salt).__name__}")
-        encrypt = extra.get("encrypt", False)
-        if not isinstance(encrypt, bool):
-            problems.append(f"'encrypt' must be a bool, got {encrypt!r}")
         pending = extra.get("max_pending_bytes", DEFAULT_MAX_PENDING_BYTES)
         if not is_int_at_least(pending, 1):
             problems.append(f"'max_pending_bytes' must be an int >= 1, got {pending!r}")
@@ -109,18 +97,11 @@ class ConnectorSettings:
         if type(wait) not in (int, float) or not 0 <= wait <= MAX_HANDOVER_WAIT_SECONDS:
             problems.append(f"'handover_wait_seconds' must be a number from 0 to {MAX_HANDOVER_WAIT_SECONDS:g}, "
                             f"got {wait!r}")
-        secret = None
-        secret_file = extra.get("secret_file")
-        try:
-            secret = StoreSecret.from_file(secret_file) if secret_file is not None else StoreSecret.resolve(None)
-        except (KVGroupsError, TypeError) as error:
-            problems.append(f"'secret_file': {error}")
-        if encrypt is True and secret is None:
-            problems.append("'encrypt' needs a secret ('secret_file', or $KVGROUPS_STORE_SECRET)")
         if problems:
             raise ConnectorConfigError("kv_connector_extra_config for KVGroupsConnector: " + "; ".join(problems))
-        return cls(stores=tuple(urls), chunk_size=chunk_size, salt=salt, secret=secret, encrypt=encrypt,
-                   max_pending_bytes=pending, load_mode=load_mode, handover_wait_seconds=float(wait))
+        return cls(stores=options.stores, chunk_size=chunk_size, salt=options.salt, secret=options.secret,
+                   encrypt=options.encrypt, max_pending_bytes=pending, load_mode=load_mode,
+                   handover_wait_seconds=float(wait))
 
     def for_blocks(self, block_sizes: Mapping[int, int], *, states_on_block_grid: bool = False) -> ConnectorSettings:
         """These settings with the chunk size vLLM's block sizes (KV-cache group -> tokens per block) allow:
