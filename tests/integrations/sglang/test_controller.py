@@ -1,0 +1,233 @@
+"""kvgroups under SGLang's own HiCache: its radix cache (UnifiedRadixCache) and HybridCacheController, built by
+SGLang's `init_hicache` from server arguments with `--hicache-storage-backend dynamic` and kvgroups' extra
+config, its storage threads calling the backend. One cache computes a prompt's KV, backs it up to host memory
+and on to the store; a second cache, as another server would, prefetches the prompt from the store into its
+host pool: the same bytes. What only a GPU does (device-to-host copies, pinned memory) runs on the stand-ins
+of gpu_stand_ins.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sglang.test.kits.unified_radix_cache.fixtures as kit
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+from tests.integrations.sglang import gpu_stand_ins
+from tests.support.servers import Server, running_server
+
+PAGE = 4
+CONFIG = CacheConfig(page_size=PAGE, num_layers=3, full_attention_layer_ids=(0, 1, 2))
+PROMPT = list(range(1, 1 + 5 * PAGE))  # five pages
+
+
+@pytest.fixture(autouse=True)
+def one_rank_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """SGLang's unit-test topology (one rank, no process group) and device (the kit asks for an accelerator)."""
+    gpu_stand_ins.install()
+    monkeypatch.setattr(kit, "get_device", lambda: "cpu")
+    override = get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    override.__enter__()
+    yield
+    override.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory.mktemp("valkey")) as started:
+        yield started
+
+
+def hicache(store: str, *, interface_v1: bool, layout: str = "layer_first", config: CacheConfig = CONFIG) -> Any:
+    """A radix cache with SGLang's HiCache on kvgroups, as a server's `init_hicache` builds it."""
+    cache, allocator, _ = kit.build_fixture(config)
+    extra = {"backend_name": "kvgroups", "module_path": "kvgroups.integrations.sglang",
+             "class_name": "KVGroupsHiCacheStorage", "store": store, "prefetch_threshold": 1,
+             **({"interface_v1": 1} if interface_v1 else {})}
+    arguments = ServerArgs(model_path="dummy", page_size=config.page_size, hicache_io_backend="kernel",
+                           hicache_write_policy="write_through", hicache_mem_layout=layout,
+                           hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra),
+                           hicache_storage_prefetch_policy="wait_complete")
+    set_global_server_args_for_scheduler(arguments)
+    cache.init_hicache(arguments, cache.cache_init_params)
+    for entry in cache.cache_controller.mem_pool_host.entries:
+        entry.host_pool.pin_memory = False  # no pinned memory without a GPU (gpu_stand_ins.py)
+    cache.allocator_for_test = allocator
+    return cache
+
+
+def close(cache: Any) -> None:
+    cache.cache_controller._stop_storage_threads()
+    kit.drop_hicache_atexit_pin(cache)
+    cache.release_host_resources()
+
+
+def host_pool(cache: Any, name: str = "kv") -> Any:
+    return next(entry.host_pool for entry in cache.cache_controller.mem_pool_host.entries if str(entry.name) == name)
+
+
+def kv_rows(cache: Any, rows: torch.Tensor) -> torch.Tensor:
+    """The host pool's K/V of token rows ``rows``, ``[2, layers, tokens, heads, dim]`` whatever its layout."""
+    pool = host_pool(cache)
+    return (pool.kv_buffer[:, :, rows] if pool.layout == "layer_first" else
+            pool.kv_buffer[:, rows].transpose(1, 2)).clone()
+
+
+def until(condition: Any, cache: Any, message: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, message
+        cache.drain_storage_control_queues()
+        cache.check_hicache_events()
+        time.sleep(0.01)
+
+
+def computed_and_stored(cache: Any, tokens: list[int], config: CacheConfig = CONFIG) -> tuple[torch.Tensor, Any]:
+    """Insert ``tokens`` with random K/V in every attention layer (and, for a hybrid, a request's recurrent
+    state), back them up to host memory and on to the store; the host pool's K/V rows for them, and the
+    node they end at."""
+    allocator = cache.allocator_for_test
+    device_rows = allocator.alloc(len(tokens))
+    pool = allocator.get_kvcache()
+    layers = [layer for layer in config.full_attention_layer_ids] if config.has_mamba else range(config.num_layers)
+    generator = torch.Generator().manual_seed(len(tokens))
+    for layer in layers:
+        for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+            buffer[device_rows] = torch.randn(buffer[device_rows].shape, generator=generator).to(buffer.dtype)
+    key = RadixKey(array("q", tokens))
+    params = InsertParams(key=key, value=device_rows)
+    if config.has_mamba:  # the state after the last token: a request's slot, filled with random states
+        request = kit_request(cache)
+        slot = request.kv.mamba_pool_idx
+        states = cache.cache_init_params.req_to_token_pool.mamba_pool.get_device_pool_infos()[0].buffer_info
+        for buffer in (states.temporal, *states.conv):  # [layers, slots, ...]
+            buffer[:, slot] = torch.randn(buffer[:, slot].shape, generator=generator).to(buffer.dtype)
+        params.mamba_value = slot.unsqueeze(0)
+    cache.insert(params)  # write-through: backed up to host memory
+    cache.writing_check(write_back=True)  # the device-to-host copies acknowledged
+    node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    host_rows = kit.node_host_value(cache, node, ComponentType.FULL)
+    assert host_rows is not None and len(host_rows) == len(tokens)
+    assert torch.equal(kv_rows(cache, host_rows)[0, 0], pool.get_key_buffer(layers[0])[device_rows])
+    cache.write_backup_storage(node)
+    until(lambda: not cache.ongoing_backup, cache, "the backup to the store did not finish")
+    return kv_rows(cache, host_rows), node
+
+
+def kit_request(cache: Any) -> Any:
+    """A request holding a recurrent-state slot in the cache's request pool, as the scheduler makes one."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    request = Req(rid="producer", origin_input_text="", origin_input_ids=array("q"),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+    cache.cache_init_params.req_to_token_pool.alloc([request])
+    return request
+
+
+def prefetched(cache: Any, tokens: list[int]) -> tuple[int, torch.Tensor | None]:
+    """Prefetch ``tokens`` from the store as SGLang's scheduler does for a new request: the tokens now in host
+    memory, and their rows there."""
+    request = CacheRequestHandle("returning", 0)
+    cache.prefetch_from_storage(request, cache.root_node_handle(), array("q", tokens), None, None)
+    until(lambda: cache.check_prefetch_progress(request), cache, "the prefetch did not finish")
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    if not match.host_hit_length:
+        return 0, None
+    rows = kit.node_host_value(cache, match.last_host_node, ComponentType.FULL)
+    return match.host_hit_length, kv_rows(cache, rows)
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize(("write_v1", "read_v1"), [(False, False), (True, True), (True, False)],
+                         ids=["generic", "v1", "v1-then-generic"])
+def test_a_prompt_one_server_stored_is_prefetched_by_another_byte_for_byte(kind: str, write_v1: bool, read_v1: bool,
+                                                                         tmp_path: Path,
+                                                                         request: pytest.FixtureRequest) -> None:
+    if kind == "file":
+        store = f"file://{tmp_path}/kv"
+    else:
+        started: Server = request.getfixturevalue("server")
+        redis.Redis.from_url(started.url).flushall()
+        store = started.url
+    producer = hicache(store, interface_v1=write_v1)
+    try:
+        stored, _ = computed_and_stored(producer, PROMPT)
+        assert producer.cache_controller.storage_backend.stats.saved_chunks == len(PROMPT) // PAGE
+    finally:
+        close(producer)
+    consumer = hicache(store, interface_v1=read_v1)
+    try:
+        hit, rows = prefetched(consumer, PROMPT)
+        assert hit == len(PROMPT) and rows is not None and torch.equal(rows, stored)
+        assert consumer.cache_controller.storage_backend.stats.loaded_tokens == len(PROMPT)
+    finally:
+        close(consumer)
+
+
+def test_a_damaged_page_ends_the_prefetch_there_and_the_rest_is_computed(tmp_path: Path) -> None:
+    store = f"file://{tmp_path}/kv"
+    producer = hicache(store, interface_v1=True)
+    try:
+        stored, _ = computed_and_stored(producer, PROMPT)
+        third_page = producer.cache_controller.storage_backend.store_key(
+            producer.tree_core.get_hash_values(producer.match_prefix(MatchPrefixParams(
+                key=RadixKey(array("q", PROMPT)))).last_device_node)[2])
+    finally:
+        close(producer)
+    # The file whose entry names that page's key (an entry's header holds its key).
+    target = next(path for path in (tmp_path / "kv").rglob("*") if path.is_file() and third_page.encode() in
+                  path.read_bytes())
+    data = bytearray(target.read_bytes())
+    data[-5] ^= 0x01
+    target.write_bytes(bytes(data))
+    consumer = hicache(store, interface_v1=True)
+    try:
+        hit, rows = prefetched(consumer, PROMPT)
+        assert hit == 2 * PAGE and rows is not None and torch.equal(rows, stored[:, :, : 2 * PAGE])
+        assert consumer.cache_controller.storage_backend.stats.corrupt_entries == 1
+    finally:
+        close(consumer)
+
+
+HYBRID = CacheConfig(page_size=1, num_layers=4, full_attention_layer_ids=(1, 3),
+                     components=(ComponentType.FULL, ComponentType.MAMBA))
+
+
+def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(tmp_path: Path) -> None:
+    """A gated-DeltaNet-like hybrid (2 attention and 2 recurrent layers; SGLang keeps recurrent states with
+    one-token pages): the KV pages and the state at the prompt's end go to the store through SGLang's v2
+    calls, and another cache gets both back, the state as it was."""
+    tokens = list(range(1, 9))
+    store = f"file://{tmp_path}/kv"
+    producer = hicache(store, interface_v1=True, layout="page_first", config=HYBRID)
+    try:
+        stored, node = computed_and_stored(producer, tokens, HYBRID)
+        slot = kit.node_host_value(producer, node, ComponentType.MAMBA)
+        state = host_pool(producer, "mamba").get_data_page(int(slot[0])).clone()
+        assert state.any()  # the random state reached host memory
+        assert producer.cache_controller.storage_backend.stats.saved_chunks == len(tokens) + 1
+    finally:
+        close(producer)
+    consumer = hicache(store, interface_v1=True, layout="page_first", config=HYBRID)
+    try:
+        hit, rows = prefetched(consumer, tokens)
+        assert hit == len(tokens) and rows is not None and torch.equal(rows, stored)
+        match = consumer.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        assert match.mamba_host_hit_length == 1
+        their_slot = kit.node_host_value(consumer, match.last_host_node, ComponentType.MAMBA)
+        assert torch.equal(host_pool(consumer, "mamba").get_data_page(int(their_slot[0])), state)
+    finally:
+        close(consumer)
