@@ -57,14 +57,22 @@ def transfer_kv_mamba_lf_pf(src_ptrs: torch.Tensor, dst: torch.Tensor, src_indic
           src_indices, dst_indices, item_size, dst_layout_dim, item_size)
 
 
+def transfer_kv_all_layer_mla(src_layers: torch.Tensor, dst_layers: torch.Tensor, src_indices: torch.Tensor,
+                              dst_indices: torch.Tensor, item_size: int, num_layers: int) -> None:
+    """Every layer's MLA latent rows ``src_indices`` -> ``dst_indices``, each side a table of per-layer addresses."""
+    _rows(src_layers.tolist()[:num_layers], dst_layers.tolist()[:num_layers], src_indices, dst_indices, item_size,
+          item_size, item_size)
+
+
 def install() -> None:
     """Put the stand-ins where SGLang's host pools and transfer code look them up."""
-    from sglang.srt.mem_cache.pool_host import common, mamba, mha
+    from sglang.srt.mem_cache.pool_host import common, mamba, mha, mla
 
     mha.transfer_kv_all_layer = transfer_kv_all_layer
     mha.transfer_kv_per_layer = transfer_kv_per_layer
     mha.transfer_kv_all_layer_lf_pf = transfer_kv_all_layer_lf_pf
     mamba.transfer_kv_mamba_lf_pf = transfer_kv_mamba_lf_pf
+    mla.transfer_kv_all_layer_mla = transfer_kv_all_layer_mla
     common._cuda_host_register = lambda *args, **kwargs: None
     common._cuda_host_unregister = lambda *args, **kwargs: None
 

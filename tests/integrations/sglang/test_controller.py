@@ -8,6 +8,9 @@ of gpu_stand_ins.py."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from array import array
 from collections.abc import Iterator
@@ -18,15 +21,19 @@ import pytest
 import redis
 import sglang.test.kits.unified_radix_cache.fixtures as kit
 import torch
+from safetensors.torch import load_file
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 from sglang.test.kits.unified_radix_cache.config import CacheConfig
 
+from kvgroups.store import open_store
 from tests.integrations.sglang import gpu_stand_ins
-from tests.support.servers import Server, running_server
+from tests.support.paths import ROOT
+from tests.support.servers import Cluster, Server, running_cluster, running_server
 
 PAGE = 4
 CONFIG = CacheConfig(page_size=PAGE, num_layers=3, full_attention_layer_ids=(0, 1, 2))
@@ -48,6 +55,24 @@ def one_rank_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with running_server(tmp_path_factory.mktemp("valkey")) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("cluster"), replicas=0) as started:
+        yield started
+
+
+def fresh_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if kind == "file":
+        return f"file://{tmp_path}/kv"
+    if kind == "redis":
+        started: Server = request.getfixturevalue("server")
+        redis.Redis.from_url(started.url).flushall()
+        return started.url + "?timeout=10"
+    nodes: Cluster = request.getfixturevalue("cluster")
+    open_store(nodes.url).clear()
+    return nodes.url + "?timeout=10"  # slowness on a loaded machine is not what these test
 
 
 def hicache(store: str, *, interface_v1: bool, layout: str = "layer_first", config: CacheConfig = CONFIG) -> Any:
@@ -79,8 +104,10 @@ def host_pool(cache: Any, name: str = "kv") -> Any:
 
 
 def kv_rows(cache: Any, rows: torch.Tensor) -> torch.Tensor:
-    """The host pool's K/V of token rows ``rows``, ``[2, layers, tokens, heads, dim]`` whatever its layout."""
+    """The host pool's K/V (or MLA latent) of token rows ``rows``, layers first, whatever its layout."""
     pool = host_pool(cache)
+    if pool.kv_buffer.dim() == 4:  # MLA: [layers, tokens, 1, latent] (layer_first)
+        return pool.kv_buffer[:, rows].clone()
     return (pool.kv_buffer[:, :, rows] if pool.layout == "layer_first" else
             pool.kv_buffer[:, rows].transpose(1, 2)).clone()
 
@@ -104,7 +131,8 @@ def computed_and_stored(cache: Any, tokens: list[int], config: CacheConfig = CON
     layers = [layer for layer in config.full_attention_layer_ids] if config.has_mamba else range(config.num_layers)
     generator = torch.Generator().manual_seed(len(tokens))
     for layer in layers:
-        for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+        buffers = {id(buffer): buffer for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer))}
+        for buffer in buffers.values():  # MLA's key and value buffers are one latent buffer
             buffer[device_rows] = torch.randn(buffer[device_rows].shape, generator=generator).to(buffer.dtype)
     key = RadixKey(array("q", tokens))
     params = InsertParams(key=key, value=device_rows)
@@ -120,10 +148,12 @@ def computed_and_stored(cache: Any, tokens: list[int], config: CacheConfig = CON
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
     host_rows = kit.node_host_value(cache, node, ComponentType.FULL)
     assert host_rows is not None and len(host_rows) == len(tokens)
-    assert torch.equal(kv_rows(cache, host_rows)[0, 0], pool.get_key_buffer(layers[0])[device_rows])
+    in_host = kv_rows(cache, host_rows)
+    first_layer_keys = in_host[0] if in_host.dim() == 4 else in_host[0, 0]  # MLA: no K/V axis
+    assert torch.equal(first_layer_keys, pool.get_key_buffer(layers[0])[device_rows])
     cache.write_backup_storage(node)
     until(lambda: not cache.ongoing_backup, cache, "the backup to the store did not finish")
-    return kv_rows(cache, host_rows), node
+    return in_host, node
 
 
 def kit_request(cache: Any) -> Any:
@@ -150,18 +180,13 @@ def prefetched(cache: Any, tokens: list[int]) -> tuple[int, torch.Tensor | None]
     return match.host_hit_length, kv_rows(cache, rows)
 
 
-@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
 @pytest.mark.parametrize(("write_v1", "read_v1"), [(False, False), (True, True), (True, False)],
                          ids=["generic", "v1", "v1-then-generic"])
 def test_a_prompt_one_server_stored_is_prefetched_by_another_byte_for_byte(kind: str, write_v1: bool, read_v1: bool,
                                                                          tmp_path: Path,
                                                                          request: pytest.FixtureRequest) -> None:
-    if kind == "file":
-        store = f"file://{tmp_path}/kv"
-    else:
-        started: Server = request.getfixturevalue("server")
-        redis.Redis.from_url(started.url).flushall()
-        store = started.url
+    store = fresh_store(kind, tmp_path, request)
     producer = hicache(store, interface_v1=write_v1)
     try:
         stored, _ = computed_and_stored(producer, PROMPT)
@@ -206,13 +231,16 @@ HYBRID = CacheConfig(page_size=1, num_layers=4, full_attention_layer_ids=(1, 3),
                      components=(ComponentType.FULL, ComponentType.MAMBA))
 
 
-def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
+def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(kind: str, interface_v1: bool, tmp_path: Path,
+                                                               request: pytest.FixtureRequest) -> None:
     """A gated-DeltaNet-like hybrid (2 attention and 2 recurrent layers; SGLang keeps recurrent states with
     one-token pages): the KV pages and the state at the prompt's end go to the store through SGLang's v2
     calls, and another cache gets both back, the state as it was."""
     tokens = list(range(1, 9))
-    store = f"file://{tmp_path}/kv"
-    producer = hicache(store, interface_v1=True, layout="page_first", config=HYBRID)
+    store = fresh_store(kind, tmp_path, request)
+    producer = hicache(store, interface_v1=interface_v1, layout="page_first", config=HYBRID)
     try:
         stored, node = computed_and_stored(producer, tokens, HYBRID)
         slot = kit.node_host_value(producer, node, ComponentType.MAMBA)
@@ -221,7 +249,7 @@ def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(tmp_path: Path) 
         assert producer.cache_controller.storage_backend.stats.saved_chunks == len(tokens) + 1
     finally:
         close(producer)
-    consumer = hicache(store, interface_v1=True, layout="page_first", config=HYBRID)
+    consumer = hicache(store, interface_v1=interface_v1, layout="page_first", config=HYBRID)
     try:
         hit, rows = prefetched(consumer, tokens)
         assert hit == len(tokens) and rows is not None and torch.equal(rows, stored)
@@ -229,5 +257,69 @@ def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(tmp_path: Path) 
         assert match.mamba_host_hit_length == 1
         their_slot = kit.node_host_value(consumer, match.last_host_node, ComponentType.MAMBA)
         assert torch.equal(host_pool(consumer, "mamba").get_data_page(int(their_slot[0])), state)
+    finally:
+        close(consumer)
+
+
+PRODUCER = """
+import sys
+from tests.integrations.sglang import torchvision_stand_in
+torchvision_stand_in.install()
+from sglang.srt.runtime_context import get_parallel
+import sglang.test.kits.unified_radix_cache.fixtures as kit
+from tests.integrations.sglang import gpu_stand_ins
+from tests.integrations.sglang.test_controller import PROMPT, close, computed_and_stored, hicache
+from safetensors.torch import save_file
+gpu_stand_ins.install()
+kit.get_device = lambda: "cpu"
+with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+    producer = hicache(sys.argv[1], interface_v1=True)
+    stored, _ = computed_and_stored(producer, PROMPT)
+    close(producer)
+save_file({"kv": stored.contiguous()}, sys.argv[2])  # what the producer stored, for the test to compare
+"""
+
+
+def test_a_prompt_another_process_stored_is_prefetched_here(tmp_path: Path) -> None:
+    """The producer is another process (as another server would be): its storage threads write, ours read."""
+    store, expected = f"file://{tmp_path}/kv", tmp_path / "expected.safetensors"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    produced = subprocess.run([sys.executable, "-c", PRODUCER, store, str(expected)], capture_output=True,
+                              text=True, env=environment, timeout=300, check=False)
+    assert produced.returncode == 0, produced.stderr[-3000:]
+    consumer = hicache(store, interface_v1=True)
+    try:
+        hit, rows = prefetched(consumer, PROMPT)
+        assert hit == len(PROMPT) and rows is not None
+        assert torch.equal(rows, load_file(expected)["kv"])
+    finally:
+        close(consumer)
+
+
+def mla_device_pool(**arguments: Any) -> Any:
+    """What the kit's fixture builds as its device pool, as an MLA pool (a 16-dim latent, 4 rope dims)."""
+    return MLATokenToKVPool(size=arguments["size"], page_size=arguments["page_size"], dtype=arguments["dtype"],
+                            kv_lora_rank=16, qk_rope_head_dim=4, layer_num=arguments["layer_num"],
+                            device=arguments["device"], enable_memory_saver=False)
+
+
+@pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
+def test_an_mla_prompt_is_prefetched_by_another_server(interface_v1: bool, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLA model: SGLang's controller sees an MLA device pool, builds an MLA host pool, and one rank's latent
+    rows go to the store and come back."""
+    monkeypatch.setattr(kit, "MHATokenToKVPool", mla_device_pool)
+    store = f"file://{tmp_path}/kv"
+    producer = hicache(store, interface_v1=interface_v1)
+    try:
+        assert type(host_pool(producer)).__name__ == "MLATokenToKVPoolHost"
+        stored, _ = computed_and_stored(producer, PROMPT)
+        assert stored.any() and producer.cache_controller.storage_backend.stats.saved_chunks == len(PROMPT) // PAGE
+    finally:
+        close(producer)
+    consumer = hicache(store, interface_v1=interface_v1)
+    try:
+        hit, rows = prefetched(consumer, PROMPT)
+        assert hit == len(PROMPT) and rows is not None and torch.equal(rows, stored)
     finally:
         close(consumer)

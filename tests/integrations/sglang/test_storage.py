@@ -110,10 +110,10 @@ def store_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
     if kind == "redis":
         server: Server = request.getfixturevalue("server")
         redis.Redis.from_url(server.url).flushall()
-        return server.url
+        return server.url + "?timeout=10"
     started: Cluster = request.getfixturevalue("cluster")
     open_store(started.url).clear()
-    return started.url
+    return started.url + "?timeout=10"  # slowness on a loaded machine is not what these test
 
 
 @pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
