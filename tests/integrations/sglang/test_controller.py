@@ -31,6 +31,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from sglang.test.kits.unified_radix_cache.config import CacheConfig
 
 from kvgroups.store import open_store
+from kvgroups.store.metrics.prometheus import Collector
 from tests.integrations.sglang import gpu_stand_ins
 from tests.support.paths import ROOT
 from tests.support.servers import Cluster, Server, running_cluster, running_server
@@ -197,7 +198,14 @@ def test_a_prompt_one_server_stored_is_prefetched_by_another_byte_for_byte(kind:
     try:
         hit, rows = prefetched(consumer, PROMPT)
         assert hit == len(PROMPT) and rows is not None and torch.equal(rows, stored)
-        assert consumer.cache_controller.storage_backend.stats.loaded_tokens == len(PROMPT)
+        backend = consumer.cache_controller.storage_backend
+        assert backend.stats.loaded_tokens == len(PROMPT)
+        exported = {family.name: family for family in Collector().collect()}  # kvgroups' Prometheus collector
+        loaded = {sample.labels["tier"]: sample.value for sample in exported["kvgroups_loaded_tokens"].samples
+                  if sample.name == "kvgroups_loaded_tokens_total"}
+        assert loaded[backend.store.tier_name] >= len(PROMPT)
+        assert {sample.name for sample in exported["kvgroups_load_seconds"].samples} >= {
+            "kvgroups_load_seconds_count", "kvgroups_load_seconds_sum"}
     finally:
         close(consumer)
 
@@ -231,7 +239,7 @@ HYBRID = CacheConfig(page_size=1, num_layers=4, full_attention_layer_ids=(1, 3),
                      components=(ComponentType.FULL, ComponentType.MAMBA))
 
 
-@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
 @pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
 def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(kind: str, interface_v1: bool, tmp_path: Path,
                                                                request: pytest.FixtureRequest) -> None:
@@ -303,13 +311,15 @@ def mla_device_pool(**arguments: Any) -> Any:
                             device=arguments["device"], enable_memory_saver=False)
 
 
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
 @pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
-def test_an_mla_prompt_is_prefetched_by_another_server(interface_v1: bool, tmp_path: Path,
+def test_an_mla_prompt_is_prefetched_by_another_server(kind: str, interface_v1: bool, tmp_path: Path,
+                                                       request: pytest.FixtureRequest,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """An MLA model: SGLang's controller sees an MLA device pool, builds an MLA host pool, and one rank's latent
     rows go to the store and come back."""
     monkeypatch.setattr(kit, "MHATokenToKVPool", mla_device_pool)
-    store = f"file://{tmp_path}/kv"
+    store = fresh_store(kind, tmp_path, request)
     producer = hicache(store, interface_v1=interface_v1)
     try:
         assert type(host_pool(producer)).__name__ == "MLATokenToKVPoolHost"
