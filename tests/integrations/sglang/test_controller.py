@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import sglang.test.kits.unified_radix_cache.fixtures as kit
 import torch
 from safetensors.torch import load_file
@@ -30,11 +29,10 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 from sglang.test.kits.unified_radix_cache.config import CacheConfig
 
-from kvgroups.store import open_store
 from kvgroups.store.metrics.prometheus import Collector
 from tests.integrations.sglang import gpu_stand_ins
+from tests.integrations.sglang.stores import KINDS, fresh_store
 from tests.support.paths import ROOT
-from tests.support.servers import Cluster, Server, running_cluster, running_server
 
 PAGE = 4
 CONFIG = CacheConfig(page_size=PAGE, num_layers=3, full_attention_layer_ids=(0, 1, 2))
@@ -50,30 +48,6 @@ def one_rank_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     override.__enter__()
     yield
     override.__exit__(None, None, None)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(tmp_path_factory.mktemp("valkey")) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("cluster"), replicas=0) as started:
-        yield started
-
-
-def fresh_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    if kind == "file":
-        return f"file://{tmp_path}/kv"
-    if kind == "redis":
-        started: Server = request.getfixturevalue("server")
-        redis.Redis.from_url(started.url).flushall()
-        return started.url + "?timeout=10"
-    nodes: Cluster = request.getfixturevalue("cluster")
-    open_store(nodes.url).clear()
-    return nodes.url + "?timeout=10"  # slowness on a loaded machine is not what these test
 
 
 def hicache(store: str, *, interface_v1: bool, layout: str = "layer_first", config: CacheConfig = CONFIG) -> Any:
@@ -181,7 +155,7 @@ def prefetched(cache: Any, tokens: list[int]) -> tuple[int, torch.Tensor | None]
     return match.host_hit_length, kv_rows(cache, rows)
 
 
-@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("write_v1", "read_v1"), [(False, False), (True, True), (True, False)],
                          ids=["generic", "v1", "v1-then-generic"])
 def test_a_prompt_one_server_stored_is_prefetched_by_another_byte_for_byte(kind: str, write_v1: bool, read_v1: bool,
@@ -239,7 +213,7 @@ HYBRID = CacheConfig(page_size=1, num_layers=4, full_attention_layer_ids=(1, 3),
                      components=(ComponentType.FULL, ComponentType.MAMBA))
 
 
-@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
 def test_a_hybrid_prompt_is_prefetched_with_its_recurrent_state(kind: str, interface_v1: bool, tmp_path: Path,
                                                                request: pytest.FixtureRequest) -> None:
@@ -311,7 +285,7 @@ def mla_device_pool(**arguments: Any) -> Any:
                             device=arguments["device"], enable_memory_saver=False)
 
 
-@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
 def test_an_mla_prompt_is_prefetched_by_another_server(kind: str, interface_v1: bool, tmp_path: Path,
                                                        request: pytest.FixtureRequest,

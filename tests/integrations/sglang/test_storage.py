@@ -11,12 +11,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -27,9 +25,9 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from kvgroups.integrations.sglang import KVGroupsHiCacheStorage
 from kvgroups.integrations.sglang.pools import UnsupportedPoolError
 from kvgroups.integrations.sglang.settings import BackendConfigError
-from kvgroups.store import open_store
+from tests.integrations.sglang.stores import KINDS, fresh_store
 from tests.support.paths import ROOT
-from tests.support.servers import Cluster, Server, running_cluster, running_server
+from tests.support.servers import running_server
 
 PAGE = 4
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -91,39 +89,14 @@ def store_with_v1(writer: Any, pool: Any, first_page: int, keys: list[str]) -> l
     return result
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(tmp_path_factory.mktemp("valkey")) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("cluster"), replicas=0) as started:
-        yield started
-
-
-def store_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    """A fresh store of ``kind``: a file store, a Valkey/Redis server or a Redis Cluster (emptied first)."""
-    if kind == "file":
-        return f"file://{tmp_path}/kv"
-    if kind == "redis":
-        server: Server = request.getfixturevalue("server")
-        redis.Redis.from_url(server.url).flushall()
-        return server.url + "?timeout=10"
-    started: Cluster = request.getfixturevalue("cluster")
-    open_store(started.url).clear()
-    return started.url + "?timeout=10"  # slowness on a loaded machine is not what these test
-
-
-@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("write_v1", "read_v1"), [(False, False), (True, True), (False, True), (True, False)],
                          ids=["generic", "v1", "generic-then-v1", "v1-then-generic"])
 def test_pages_one_backend_stores_another_reads_byte_for_byte(kind: str, layout: str, write_v1: bool,
                                                                read_v1: bool, tmp_path: Path,
                                                                request: pytest.FixtureRequest) -> None:
-    url = store_url(kind, tmp_path, request)
+    url = fresh_store(kind, tmp_path, request)
     source, target = host_pool(layout, seed=1), host_pool(layout)
     writer = backend(storage_config(url, interface_v1=write_v1), source)
     if write_v1:
