@@ -3,8 +3,9 @@ redis-benchmark, in one run (in .venv-sglang: `make bench`).
 
 Pages are an SGLang MHA host pool's (32 layers, 8 KV heads of 128 dims, bfloat16, 32-token pages: 4 MiB a
 page on one tensor-parallel rank of a Llama-3.1-8B), written and read through each backend's own calls,
-as SGLang's storage threads make them: ``batch_set`` / ``batch_get`` on flat pages (SGLang's generic data
-path) and, for kvgroups, ``batch_set_v1`` / ``batch_get_v1`` on the host pool (``interface_v1``).
+as SGLang's storage threads make them, from the host pool and into it: ``batch_set`` / ``batch_get`` on
+flat pages (SGLang's generic data path, which copies each page it gets into the host pool) and, for
+kvgroups, ``batch_set_v1`` / ``batch_get_v1`` on the host pool (``interface_v1``).
 
 - file: kvgroups' file tier and ``HiCacheFile`` on the same pages, in directories on the same disk, the
   variants alternating (A, B, A, B, ...) over rounds of fresh keys; the ratio is the median over rounds of
@@ -88,9 +89,12 @@ def round_trip(backend: Any, pool: Any, keys: list[str], path: str) -> tuple[flo
     written = time.perf_counter()
     if path == "v1":
         assert all(backend.batch_get_v1(keys, indices))
-    else:
+    else:  # as SGLang's _generic_page_get: flat pages, then each copied into the host pool
         targets = [pool.get_dummy_flat_data_page() for _ in range(count)]
-        assert all(page is not None for page in backend.batch_get(keys, targets))
+        got = backend.batch_get(keys, targets)
+        assert all(page is not None for page in got)
+        for page, data in enumerate(got):
+            pool.set_from_flat_data_page(page * PAGE, data)
     return written - begin, time.perf_counter() - written
 
 
