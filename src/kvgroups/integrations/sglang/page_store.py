@@ -74,7 +74,7 @@ class PageStore:
         return f"sglang:{digest.hex()}"
 
     def _info(self, pool: PagePool, key: str) -> EntryInfo:
-        return EntryInfo(key=key, fingerprint=pool.metadata.fingerprint(), group_index=0, chunk_index=0,
+        return EntryInfo(key=key, fingerprint=pool.fingerprint, group_index=0, chunk_index=0,
                          dtype=pool.page_dtype, shape=(pool.page_numel,))
 
     def _encode(self, pool: PagePool, key: str, page: torch.Tensor) -> bytes:

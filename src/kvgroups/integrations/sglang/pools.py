@@ -67,6 +67,8 @@ class PagePool:
     page_numel: int
     # Whether every tensor-parallel rank holds its own shard (MHA heads) or all hold the same rows (MLA).
     rank_sharded: bool
+    # The metadata's fingerprint, computed once: every page read and written is checked against it.
+    fingerprint: str
 
     @property
     def page_bytes(self) -> int:
@@ -74,7 +76,7 @@ class PagePool:
 
     def describe(self) -> dict[str, Any]:
         """Everything that decides how a page's bytes are read, as plain data (for the key namespace)."""
-        return {"pool": self.name, "layout": self.layout, "fingerprint": self.metadata.fingerprint(),
+        return {"pool": self.name, "layout": self.layout, "fingerprint": self.fingerprint,
                 "page_tokens": self.page_tokens, "page_numel": self.page_numel, "dtype": str(self.page_dtype)}
 
     def read(self, index: int) -> torch.Tensor:
@@ -165,7 +167,7 @@ def _page_pool(name: str, host_pool: Any, rank: RankInfo, layers: list[torch.Ten
     dummy = host_pool.get_data_page(0, flat=True)
     return PagePool(name=name, host_pool=host_pool, metadata=metadata, layout=host_pool.layout,
                     page_tokens=host_pool.page_size, page_dtype=dummy.dtype, page_numel=dummy.numel(),
-                    rank_sharded=rank_sharded)
+                    rank_sharded=rank_sharded, fingerprint=metadata.fingerprint())
 
 
 # SGLang's host pool classes kvgroups describes, by class name (the pools' modules import CUDA-only code
