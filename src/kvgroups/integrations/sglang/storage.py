@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvgroups.integrations.sglang.page_store import PageStore
 from kvgroups.integrations.sglang.pools import KV_POOL, PagePool, RankInfo, describe_pool
-from kvgroups.integrations.sglang.prefix_hits import POLICIES, PoolPresence, prefix_hits
+from kvgroups.integrations.sglang.prefix_hits import POLICIES, PoolPresence, leading, prefix_hits
 from kvgroups.integrations.sglang.settings import BackendSettings
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
         started = time.perf_counter()
         pool = self._pool()
         found = self.pages.existing([self.pages.store_key(key) for key in keys])
-        hits = found.index(False) if False in found else len(found)
+        hits = leading(found)
         self.stats.looked_up(len(keys) * pool.page_tokens, {self.store.tier_name: hits * pool.page_tokens},
                              time.perf_counter() - started)
         return hits
