@@ -175,7 +175,7 @@ soak: $(VLLM_VENV)/.installed redis-server
 # that there is no GPU. Its CPU part runs in `make test` (tests/datapath/test_gpu_check.py).
 GPU_PYTHON ?= python3
 gpu-check:
-	@if $(GPU_PYTHON) -c "import torch, triton" 2>/dev/null; then PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py; \
+	@if $(GPU_PYTHON) -c "import torch, triton" 2>/dev/null; then PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py; \
 	else $(MAKE) -s $(VENV)/.installed-demo && $(BIN)/python benchmarks/gpu_check.py; fi
 
 # The benchmarks' own references beyond the test tools: BLAKE3 for the keyed-hash comparison (macs.py).

@@ -8,8 +8,8 @@ flat pages (SGLang's generic data path, which copies each page it gets into the 
 kvgroups, ``batch_set_v1`` / ``batch_get_v1`` on the host pool (``interface_v1``).
 
 - file: kvgroups' file tier and ``HiCacheFile`` on the same pages, in directories on the same disk, the
-  variants alternating (A, B, A, B, ...) over rounds of fresh keys; the ratio is the median over rounds of
-  kvgroups' pages per second / HiCacheFile's (1.00 = as fast).
+  variants interleaved (A, B, C, then B, C, A, ...: each round starts with another) over rounds of fresh
+  keys; the ratio is the median over rounds of kvgroups' pages per second / HiCacheFile's (1.00 = as fast).
 - redis: kvgroups' Redis tier on a server started here, against ``redis-benchmark`` SET and GET of values
   of the page's size on the same server (4 clients, as kvgroups moves a batch over 4 connections),
   alternating rounds; the ratio is kvgroups' pages per second / redis-benchmark's requests per second.
@@ -105,9 +105,12 @@ def file_table(rounds: int, count: int, directory: Path) -> list[str]:
     times: dict[str, list[tuple[float, float]]] = {"kvgroups generic": [], "kvgroups v1": [], "HiCacheFile": []}
     for number in range(rounds + 1):  # round 0 warms up
         keys = [f"{number:08x}{page:056x}" for page in range(count)]
-        measured = {"kvgroups generic": round_trip(ours["generic"], pool, keys, "generic"),
-                    "HiCacheFile": round_trip(theirs, pool, keys, "generic"),
-                    "kvgroups v1": round_trip(ours["v1"], pool, keys, "v1")}
+        variants = [("kvgroups generic", ours["generic"], "generic"), ("HiCacheFile", theirs, "generic"),
+                    ("kvgroups v1", ours["v1"], "v1")]
+        # Each round starts with another variant: the disk's write-back of one variant's pages slows
+        # whichever writes next, and no variant should always be the one that follows another.
+        variants = variants[number % 3:] + variants[:number % 3]
+        measured = {name: round_trip(backend, pool, keys, path) for name, backend, path in variants}
         if number:
             for name, pair in measured.items():
                 times[name].append(pair)
@@ -165,7 +168,7 @@ def redis_table(rounds: int, count: int, directory: Path) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--pages", type=int, default=16, help="pages a batch (SGLang asks up to 128)")
     parser.add_argument("--dir", type=Path, default=None, help="where the file stores live (default: a temporary "
                         "directory under /var/tmp, a disk rather than a tmpfs)")

@@ -31,7 +31,14 @@ from kvgroups.integrations.sglang.settings import BackendSettings
 from kvgroups.store.backends.base import ByteStore
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
 from kvgroups.store.backends.urls import open_store
-from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo, encode_entry, view_entry
+from kvgroups.store.entries.codec import (
+    CorruptEntryError,
+    EntryInfo,
+    entry_data,
+    entry_slot_bytes,
+    seal_entry,
+    view_entry,
+)
 from kvgroups.store.metrics.counters import DROP_BACKED_OFF, REGISTRY, StoreMetrics
 from kvgroups.store.metrics.prometheus import install as install_prometheus
 
@@ -40,6 +47,9 @@ logger = logging.getLogger(__name__)
 KEY_FORMAT = "kvgroups.sglang-page/1"
 # What SGLang's StorageMetrics report, per prefetch and per backup since the last report.
 RECENT = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
+# Pages handed to the store at once: enough for the Redis tier's connections to write in parallel, few
+# enough that a writing thread's reused buffer stays small (SGLang backs up to 128 pages a call).
+WRITE_BATCH_PAGES = 8
 
 
 class PageStore:
@@ -77,9 +87,15 @@ class PageStore:
         return EntryInfo(key=key, fingerprint=pool.fingerprint, group_index=0, chunk_index=0,
                          dtype=pool.page_dtype, shape=(pool.page_numel,))
 
-    def _encode(self, pool: PagePool, key: str, page: torch.Tensor) -> bytes:
-        return encode_entry(page.reshape(-1), self._info(pool, key), secret=self.settings.secret,
-                            encrypt=self.settings.encrypt)
+    def _encode(self, pool: PagePool, key: str, page: torch.Tensor, slot: torch.Tensor) -> memoryview:
+        """``page`` (SGLang's page as its host pool holds it: flattened, it is the flat page) as an entry in
+        ``slot``: its bytes copied once, from the host pool into place."""
+        info = self._info(pool, key)
+        if page.numel() != info.shape[0] or page.dtype != info.dtype:
+            raise TypeError(f"pool {pool.name!r}: a page of {page.numel()} {page.dtype} values, expected "
+                            f"{info.shape[0]} {info.dtype}")
+        entry_data(slot, info).view(page.shape).copy_(page)
+        return seal_entry(slot, info, secret=self.settings.secret, encrypt=self.settings.encrypt)
 
     # --- store calls, each a miss on failure -------------------------------------------------------
     def available(self) -> bool:
@@ -169,20 +185,34 @@ class PageStore:
             return [False] * len(page_hashes)
         keys = [self.store_key(page_hash, pool.name) for page_hash in page_hashes]
         started = time.perf_counter()
+        written: list[int] = []
         try:
             stored = self.store.contains_many(keys)
-            items = [(key, self._encode(pool, key, page))
-                     for key, page, there in zip(keys, pages, stored, strict=True) if not there]
-            if items:
+            todo = [index for index, there in enumerate(stored) if not there]
+            slots = self._write_slots(pool)
+            for first in range(0, len(todo), WRITE_BATCH_PAGES):
+                batch = todo[first:first + WRITE_BATCH_PAGES]
+                items = [(keys[index], self._encode(pool, keys[index], pages[index], slot))
+                         for index, slot in zip(batch, slots, strict=False)]
                 self.store.put_many(items)
+                written += [len(value) for _, value in items]
         except Exception as error:  # a failed write leaves the page to be computed again
             self._failed("save", error)
             return [False] * len(page_hashes)
         seconds = time.perf_counter() - started
-        for _, value in items:
-            self.stats.saved(len(value), seconds / len(items))
+        for size in written:
+            self.stats.saved(size, seconds / len(written))
         self._note("backup", len(keys), pool, seconds)
         return [True] * len(keys)
+
+    def _write_slots(self, pool: PagePool) -> list[torch.Tensor]:
+        """This thread's buffers for ``pool``'s entries while they are written, one per page of a batch: reused,
+        since a fresh allocation per page costs more than the page's copy (every write faults its pages in)."""
+        slots: dict[str, list[torch.Tensor]] = self._buffers.__dict__.setdefault("writes_by_pool", {})
+        size = entry_slot_bytes(self._info(pool, ""))
+        if pool.name not in slots or slots[pool.name][0].numel() != size:
+            slots[pool.name] = list(torch.empty(WRITE_BATCH_PAGES * size, dtype=torch.uint8).view(-1, size))
+        return slots[pool.name]
 
     def _note(self, direction: str, pages: int, pool: PagePool, seconds: float) -> None:
         if pages:

@@ -80,8 +80,9 @@ class PagePool:
                 "page_tokens": self.page_tokens, "page_numel": self.page_numel, "dtype": str(self.page_dtype)}
 
     def read(self, index: int) -> torch.Tensor:
-        """The page starting at host token ``index``, flat, as SGLang's generic data path hands it over."""
-        page: torch.Tensor = self.host_pool.get_data_page(index, flat=True)
+        """The page starting at host token ``index`` as SGLang's host pool holds it: a view where it can be
+        one (flattened, it is the flat page SGLang's generic data path hands over; copied once, by the write)."""
+        page: torch.Tensor = self.host_pool.get_data_page(index, flat=False)
         return page
 
     def write(self, index: int, page: torch.Tensor) -> None:

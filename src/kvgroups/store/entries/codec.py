@@ -98,7 +98,10 @@ def _checksum(metadata: dict[str, str], data: memoryview) -> str:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    view: memoryview = tensor.reshape(-1).view(torch.uint8).numpy().data
+    flat = tensor.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a one-element view keeps its stride, which no byte view takes
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+    view: memoryview = flat.view(torch.uint8).numpy().data
     return view.cast("B")
 
 
@@ -122,9 +125,56 @@ def encode_entry(tensor: torch.Tensor, info: EntryInfo, *, secret: StoreSecret |
     """The stored bytes of ``tensor`` as the entry ``info``, sealed with ``secret`` (encrypted with
     ``encrypt``); raises when the tensor is not what ``info`` says."""
     check_tensor(tensor, info)
+    header, data = _sealed(_bytes_of(tensor.detach().to("cpu").contiguous()), info, secret, encrypt)
+    return header + data
+
+
+# Room a writer's slot keeps for an entry's header before its tensor: a header is a few hundred bytes.
+HEADER_ROOM_BYTES = 4096
+
+
+def entry_slot_bytes(info: EntryInfo) -> int:
+    """The bytes of a writer's buffer that an entry ``info`` takes (:func:`entry_data`, :func:`seal_entry`)."""
+    return (HEADER_ROOM_BYTES + info.tensor_bytes + 63) & ~63  # each slot 64-byte aligned
+
+
+def entry_data(slot: torch.Tensor, info: EntryInfo) -> torch.Tensor:
+    """Where, in ``slot`` (a contiguous 1-D uint8 CPU tensor of :func:`entry_slot_bytes`, which a writer
+    reuses), the tensor of an entry ``info`` goes before :func:`seal_entry` puts its header in front: copied
+    there once, straight from wherever it is (any strides, any device). A fresh entry-sized allocation per
+    write costs more than the copy (its pages are faulted in anew every time)."""
+    if slot.dtype != torch.uint8 or slot.dim() != 1 or not slot.is_contiguous() or slot.device.type != "cpu" \
+            or slot.numel() < entry_slot_bytes(info):
+        raise TypeError(f"an entry's slot must be a contiguous 1-D uint8 CPU tensor of at least "
+                        f"{entry_slot_bytes(info)} bytes, got {slot.dtype} of shape {list(slot.shape)} on "
+                        f"{slot.device}")
+    return slot[HEADER_ROOM_BYTES:HEADER_ROOM_BYTES + info.tensor_bytes].view(info.dtype).view(info.shape)
+
+
+def seal_entry(slot: torch.Tensor, info: EntryInfo, *, secret: StoreSecret | None = None,
+               encrypt: bool = False) -> memoryview:
+    """The stored bytes of the entry whose tensor :func:`entry_data` holds in ``slot``, sealed as
+    :func:`encode_entry` seals them; a view of ``slot`` (encrypted: new bytes, the ciphertext's)."""
+    data = entry_data(slot, info)
+    if encrypt:
+        header, ciphertext = _sealed(_bytes_of(data), info, secret, encrypt=True)
+        return memoryview(header + ciphertext)
+    whole: memoryview = slot.numpy().data.cast("B")
+    data_end = HEADER_ROOM_BYTES + info.tensor_bytes
+    header, _ = _sealed(whole[HEADER_ROOM_BYTES:data_end], info, secret, encrypt=False)
+    start = HEADER_ROOM_BYTES - len(header)
+    if start < 0:  # a header this long is nobody's; built the plain way all the same
+        return memoryview(header + whole[HEADER_ROOM_BYTES:data_end])
+    whole[start:HEADER_ROOM_BYTES] = header
+    return whole[start:data_end]
+
+
+def _sealed(data: memoryview, info: EntryInfo, secret: StoreSecret | None,
+            encrypt: bool) -> tuple[bytes, memoryview]:
+    """The header of an entry ``info`` holding ``data`` (its length prefix, its JSON padded to 8 bytes),
+    and the bytes that follow it (``data``, or its ciphertext)."""
     if encrypt and secret is None:
         raise KVGroupsError("encrypt=True needs a secret")
-    data = _bytes_of(tensor.detach().to("cpu").contiguous())
     metadata = info.metadata()
     metadata["written"] = str(int(time.time()))  # sealed with the rest; not compared on reads
     stored_dtype, stored_shape = _SAFETENSORS_DTYPES[info.dtype], list(info.shape)
@@ -142,7 +192,7 @@ def encode_entry(tensor: torch.Tensor, info: EntryInfo, *, secret: StoreSecret |
                                                         "data_offsets": [0, data.nbytes]}}
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
-    return _HEADER_LENGTH.pack(len(text)) + text + data
+    return _HEADER_LENGTH.pack(len(text)) + text, data
 
 
 def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
