@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import sglang.test.kits.unified_radix_cache.fixtures as kit
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -50,9 +51,14 @@ def one_rank_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     override.__exit__(None, None, None)
 
 
-def hicache(store: str, *, interface_v1: bool, layout: str = "layer_first", config: CacheConfig = CONFIG) -> Any:
-    """A radix cache with SGLang's HiCache on kvgroups, as a server's `init_hicache` builds it."""
+def hicache(store: str, *, interface_v1: bool, layout: str = "layer_first", config: CacheConfig = CONFIG,
+            tp_group: Any = None) -> Any:
+    """A radix cache with SGLang's HiCache on kvgroups, as a server's `init_hicache` builds it (one rank of
+    ``tp_group``, a process group of the tensor-parallel ranks, where one is given)."""
     cache, allocator, _ = kit.build_fixture(config)
+    if tp_group is not None:  # what a scheduler passes in its CacheInitParams
+        cache.cache_init_params.tp_cache_group = cache.tp_group = tp_group
+        cache.tp_world_size = torch.distributed.get_world_size(group=tp_group)
     extra = {"backend_name": "kvgroups", "module_path": "kvgroups.integrations.sglang",
              "class_name": "KVGroupsHiCacheStorage", "store": store, "prefetch_threshold": 1,
              **({"interface_v1": 1} if interface_v1 else {})}
@@ -96,15 +102,16 @@ def until(condition: Any, cache: Any, message: str) -> None:
         time.sleep(0.01)
 
 
-def computed_and_stored(cache: Any, tokens: list[int], config: CacheConfig = CONFIG) -> tuple[torch.Tensor, Any]:
-    """Insert ``tokens`` with random K/V in every attention layer (and, for a hybrid, a request's recurrent
-    state), back them up to host memory and on to the store; the host pool's K/V rows for them, and the
-    node they end at."""
+def computed_and_stored(cache: Any, tokens: list[int], config: CacheConfig = CONFIG,
+                        seed: int = 0) -> tuple[torch.Tensor, Any]:
+    """Insert ``tokens`` with random K/V (drawn from ``seed``) in every attention layer (and, for a hybrid, a
+    request's recurrent state), back them up to host memory and on to the store; the host pool's K/V rows for
+    them, and the node they end at."""
     allocator = cache.allocator_for_test
     device_rows = allocator.alloc(len(tokens))
     pool = allocator.get_kvcache()
     layers = [layer for layer in config.full_attention_layer_ids] if config.has_mamba else range(config.num_layers)
-    generator = torch.Generator().manual_seed(len(tokens))
+    generator = torch.Generator().manual_seed(len(tokens) + 1000 * seed)
     for layer in layers:
         buffers = {id(buffer): buffer for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer))}
         for buffer in buffers.values():  # MLA's key and value buffers are one latent buffer
@@ -307,3 +314,50 @@ def test_an_mla_prompt_is_prefetched_by_another_server(kind: str, interface_v1: 
         assert hit == len(PROMPT) and rows is not None and torch.equal(rows, stored)
     finally:
         close(consumer)
+
+
+def two_ranks(tmp_path: Path, write_stores: tuple[str, str], read_store: str) -> list[tuple[int, Any, Any]]:
+    """Both ranks of a two-rank server (tp_rank.py), each storing its shard in its ``write_stores`` entry, then
+    prefetching from ``read_store``: per rank, the tokens it hit, what it stored and what it read."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    init_file = tmp_path / f"rendezvous-{time.monotonic_ns()}"
+    outs = [tmp_path / f"rank{rank}-{time.monotonic_ns()}.safetensors" for rank in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.integrations.sglang.tp_rank", str(rank), str(init_file),
+                               write_stores[rank], read_store, str(outs[rank])], cwd=ROOT, env=environment,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        logs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    results = []
+    for out in outs:
+        tensors = load_file(out)
+        with safe_open(out, "pt") as handle:
+            hit = json.loads(handle.metadata()["hit"])
+        results.append((hit, tensors["stored"], tensors.get("read")))
+    return results
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+def test_two_tensor_parallel_ranks_each_read_back_their_own_shard_through_sglangs_controller(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Two ranks of one server (two processes, SGLang's controller agreeing on hits over a gloo group) store their
+    shards of one prompt in one store under the same page hashes; a fresh cache of each reads back its own shard
+    (the two differ), never the other rank's."""
+    store = fresh_store(kind, tmp_path, request)
+    (hit0, stored0, read0), (hit1, stored1, read1) = two_ranks(tmp_path, (store, store), store)
+    assert not torch.equal(stored0, stored1)
+    assert hit0 == hit1 == len(PROMPT)
+    assert torch.equal(read0, stored0) and torch.equal(read1, stored1)
+
+
+def test_a_rank_whose_shard_is_not_stored_hits_nothing_and_nor_does_the_other(tmp_path: Path) -> None:
+    """Rank 1 stored its shard elsewhere: in the store rank 0 wrote, rank 1 finds none of its pages (rank 0's
+    pages, under the same page hashes, are not its own), and SGLang's controller, taking the smallest hit of the
+    ranks, prefetches nothing on either: no rank ever computes on another rank's heads."""
+    shared, elsewhere = f"file://{tmp_path}/shared", f"file://{tmp_path}/rank1-elsewhere"
+    (hit0, _, read0), (hit1, _, read1) = two_ranks(tmp_path, (shared, elsewhere), shared)
+    assert hit0 == hit1 == 0
+    assert read0 is None and read1 is None
