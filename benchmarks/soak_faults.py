@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import Cluster, Server
+from tests.support.servers import Cluster
 
 
 @dataclass
@@ -97,9 +97,7 @@ class Faults:
         port, self._killed = self._killed, None
         if port is None:
             return
-        old = self.cluster.nodes[port]
-        self.cluster.nodes[port] = Server(old.directory, port=port, settings=old.settings)  # rejoins as a replica
-        self.cluster.wait_until_ok(3, 1, timeout=120)
+        self.cluster.restart(port)  # rejoins as a replica
 
     def _stop_node(self) -> None:
         self._stopped = self.random.choice(self.cluster.masters())

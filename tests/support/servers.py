@@ -158,6 +158,7 @@ class Cluster:
     def __init__(self, directory: Path, *, masters: int = 3, replicas: int = 1,
                  settings: tuple[str, ...] = ()) -> None:
         self.directory = directory
+        self.num_masters = masters
         self.ports = cluster_ports(masters * (1 + replicas))
         self.nodes: dict[int, Server] = {}
         for port in self.ports:
@@ -233,6 +234,19 @@ class Cluster:
 
     def kill(self, port: int) -> None:
         self.nodes[port].stop()
+
+    def restart(self, port: int, timeout: float = 120) -> None:
+        """Start the killed node ``port`` again (it rejoins as a replica: its data is the new master's once it
+        has copied it, after the servers' diskless-sync delay) and wait until the cluster is whole."""
+        old = self.nodes[port]
+        self.nodes[port] = Server(old.directory, port=port, settings=old.settings)
+        # Not len(self.masters()): a node started again says it is still the master it was for a moment.
+        self.wait_until_ok(self.num_masters, 1, timeout=timeout)
+
+    def master_of(self, replica: int) -> int:
+        """The port of the master replica ``replica`` copies."""
+        info = self.ask(replica, "info", "replication")
+        return int(next(line.split(":")[1] for line in info.splitlines() if line.startswith("master_port:")))
 
     def stop(self) -> None:
         for node in self.nodes.values():

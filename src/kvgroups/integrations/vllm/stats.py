@@ -137,7 +137,7 @@ class KVGroupsConnectorStats(KVConnectorStats):
             if values:
                 reduced[f"{name.removesuffix('_seconds')}_ms_mean"] = round(1000 * sum(values) / len(values), 2)
         for name in ("continued_hits", "continued_local_tokens", "continued_store_tokens", "short_loads",
-                     "dropped_saves", "failed_reads", "failed_saves", "corrupt_entries"):
+                     "dropped_saves", "failed_reads", "failed_saves", "corrupt_entries", "vanished_entries"):
             if counters.get(name):
                 reduced[name] = counters[name]
         return reduced

@@ -11,7 +11,9 @@ lets them reach a request. Reads take ``max_bytes``: a value longer than that is
 from __future__ import annotations
 
 import abc
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -21,6 +23,7 @@ from kvgroups.store.metrics.counters import (
     ERROR_FULL,
     ERROR_TIMEOUT,
     ERROR_TOO_LARGE,
+    ERROR_UNACKNOWLEDGED,
     ERROR_UNAVAILABLE,
     TierMetrics,
 )
@@ -45,6 +48,14 @@ class StoreFullError(StoreError):
     """A store's medium stayed full after evicting down to its low watermark."""
 
     kind = ERROR_FULL
+
+
+class UnacknowledgedWriteError(StoreError):
+    """Some values of a write are not saved as asked: their server (a cluster's master) is down, or fewer
+    replicas than the store waits for acknowledged them. The store itself answers; only these values count
+    as not saved (no back-off)."""
+
+    kind = ERROR_UNACKNOWLEDGED
 
 
 class EntryTooLargeError(KVGroupsError):
@@ -79,6 +90,18 @@ class ByteStore(abc.ABC):
     # Called with the keys a tier drops on its own (its evictions), on the thread that dropped them,
     # where the tier can tell (memory and file tiers; a server's evictions are the server's).
     eviction_listener: Callable[[list[str]], None] | None = None
+
+    # When this store last answered a key as absent without asking where it would be (time.monotonic()).
+    _unanswered_at = -math.inf
+
+    def note_unanswered(self) -> None:
+        """Some keys were answered as absent without being asked for (a tier backed off, a master down)."""
+        self._unanswered_at = time.monotonic()
+
+    def unanswered_since(self, moment: float) -> bool:
+        """Whether, since ``moment`` (``time.monotonic()``), some key was answered as absent without its
+        server or tier being asked: a miss then says nothing of whether the entry is still stored."""
+        return self._unanswered_at >= moment
 
     @property
     def tier_metrics(self) -> TierMetrics:

@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from operator import methodcaller
 from typing import TypeVar
 
-from kvgroups.store.backends.base import ByteStore, EntryTooLargeError, Stored, StoreError, Value
+from kvgroups.store.backends.base import (
+    ByteStore,
+    EntryTooLargeError,
+    Stored,
+    StoreError,
+    UnacknowledgedWriteError,
+    Value,
+)
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,8 @@ class TieredStore(ByteStore):
             return False, None
         try:
             return True, call(self._tiers[index])
+        except UnacknowledgedWriteError:
+            raise  # the tier answers; only those values are not saved (put_many counts them)
         except OSError as error:
             self._tiers[index].record_error(error)
             health.failed(action, error)
@@ -72,6 +81,7 @@ class TieredStore(ByteStore):
     def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
         answered = 0
         refusals: list[str] = []
+        unacknowledged: list[UnacknowledgedWriteError] = []
         for index in range(len(self._tiers)):
             try:
                 ok, _ = self._ask(index, "write", lambda store: store.put_many(items))
@@ -79,9 +89,15 @@ class TieredStore(ByteStore):
                 refusals.append(str(error))  # this tier cannot hold the value; the others still take it
                 self._tiers[index].record_error(error)
                 continue
+            except UnacknowledgedWriteError as error:
+                unacknowledged.append(error)
+                self._tiers[index].record_error(error)
+                continue
             answered += ok
         if len(refusals) == len(self._tiers):
             raise EntryTooLargeError("no tier takes these values: " + "; ".join(refusals))
+        if not answered and unacknowledged:
+            raise unacknowledged[0]
         if not answered:
             raise self._nobody("write")
 
@@ -132,6 +148,9 @@ class TieredStore(ByteStore):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [depth is not None for depth in self.locate_many(keys)]
 
+    def unanswered_since(self, moment: float) -> bool:
+        return super().unanswered_since(moment) or any(tier.unanswered_since(moment) for tier in self._tiers)
+
     def locate_many(self, keys: Sequence[str]) -> list[int | None]:
         located: list[int | None] = [None] * len(keys)
         answered = 0
@@ -142,6 +161,7 @@ class TieredStore(ByteStore):
             names = [keys[i] for i in unknown]
             ok, answers = self._ask(depth, "look up", methodcaller("contains_many", names))
             if not ok or answers is None:
+                self.note_unanswered()
                 continue
             answered += 1
             for index, answer in zip(unknown, answers, strict=True):

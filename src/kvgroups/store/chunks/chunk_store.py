@@ -20,11 +20,12 @@ from kvgroups.core.checks import int_at_least, is_int_at_least
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.errors import KVGroupsError
-from kvgroups.store.backends.base import ByteStore, EntryTooLargeError
+from kvgroups.store.backends.base import ByteStore, EntryTooLargeError, UnacknowledgedWriteError
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
 from kvgroups.store.backends.urls import StoreArg, open_store
 from kvgroups.store.chunks.prefix_reads import PrefixReads
 from kvgroups.store.chunks.prefixes import needed_chunks
+from kvgroups.store.chunks.seen import SeenEntries
 from kvgroups.store.chunks.writer import BackgroundWriter
 from kvgroups.store.entries.codec import EntryInfo, check_tensor, encode_entry
 from kvgroups.store.entries.keys import TokenIds, chunk_namespace, prefix_keys, salt_bytes
@@ -85,6 +86,7 @@ class KVChunkStore(PrefixReads):
                                   tiers=[tier.tier_metrics for tier in self.store.tiers])
         self._writer = BackgroundWriter(max_pending_bytes)
         self._log = RateLimitedLog(logger)
+        self.seen = SeenEntries()
         self._backoff = Backoff(self.store.url, self._log)
         REGISTRY.add(self, self.stats)
         install_prometheus()
@@ -199,12 +201,15 @@ class KVChunkStore(PrefixReads):
             self.store.put_many(values)
         except (OSError, EntryTooLargeError) as error:
             self.stats.failed_saves += 1
-            if isinstance(error, OSError):
+            if isinstance(error, OSError) and not isinstance(error, UnacknowledgedWriteError):
                 self._failed("save", error)
-            else:
+            else:  # the store answers: only this chunk is not saved (a master down, its replicas behind)
                 self.store.record_error(error)
+                self._log.warning("unsaved", "chunk store %s: a chunk was not saved as asked (%d failed saves so "
+                                  "far): %s", self.store.url, self.stats.failed_saves, error)
             raise
         self.stats.saved(sum(len(value) for _, value in values), time.perf_counter() - begin)
+        self.seen.stored(key for key, _ in values)
         if written is not None:
             written([key for key, _ in values])
 

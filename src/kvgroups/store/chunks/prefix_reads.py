@@ -20,6 +20,7 @@ from kvgroups.errors import KVGroupsError
 from kvgroups.store.backends.base import ByteStore, Stored
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
 from kvgroups.store.chunks.prefixes import LoadedEntries, LoadedPrefix, StoredPrefix, assemble, stored_prefix
+from kvgroups.store.chunks.seen import SeenEntries
 from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo, view_entry
 from kvgroups.store.entries.keys import TokenIds, boundary_keys, checked_keys
 from kvgroups.store.entries.secret import StoreSecret
@@ -40,6 +41,7 @@ class PrefixReads:
     chunk_size: int
     secret: StoreSecret | None
     stats: StoreMetrics
+    seen: SeenEntries
     _backoff: Backoff
     _log: RateLimitedLog
     keys: Callable[..., list[str]]
@@ -70,14 +72,30 @@ class PrefixReads:
     def _locate(self, keys: list[str], groups: Sequence[int]) -> StoredPrefix:
         if not keys or not groups or not self._backoff.available():
             return StoredPrefix(0)
+        entry_keys = [self.entry_key(key, group) for group in groups for key in keys]
+        asked_at = time.monotonic()
         try:
-            located = self.store.locate_many([self.entry_key(key, group) for group in groups for key in keys])
+            located = self.store.locate_many(entry_keys)
         except OSError as error:
             self._failed("lookup", error)
             return StoredPrefix(0)
+        self._note_vanished(entry_keys, located, asked_at)
         rows = [located[position * len(keys):(position + 1) * len(keys)] for position in range(len(groups))]
         specs = [self.groups[group].spec for group in groups]
         return stored_prefix(specs, rows, self.chunk_size, [tier.tier_name for tier in self.store.tiers])
+
+    def _note_vanished(self, entry_keys: list[str], located: Sequence[int | None], asked_at: float) -> None:
+        """Count the entries this process knew were stored that a lookup asked at ``asked_at`` found missing;
+        not when some keys went unasked then (a master down, a tier backed off): those may only be out of reach."""
+        self.seen.stored(key for key, tier in zip(entry_keys, located, strict=True) if tier is not None)
+        if self.store.unanswered_since(asked_at):
+            return
+        vanished = self.seen.vanished(key for key, tier in zip(entry_keys, located, strict=True) if tier is None)
+        if vanished:
+            self.stats.vanished_entries += vanished
+            self._log.warning("vanished", "chunk store %s: %d entries this process saved or found stored are gone "
+                              "(%d so far: a failed-over master that had not passed them to its replica, evicted, "
+                              "expired or deleted)", self.store.url, vanished, self.stats.vanished_entries)
 
     def load(self, token_ids: TokenIds | None, num_tokens: int, *,
              keys: Sequence[str] | None = None) -> LoadedPrefix:
@@ -189,6 +207,7 @@ class PrefixReads:
         """An entry read as ``info`` did not check out (as ``value``): count it, say so (rate-limited) and
         delete that copy; whether a later tier holds another copy, to read instead."""
         self.stats.corrupt_entries += 1
+        self.seen.forget([info.key])  # deleted here on purpose: not a vanished entry when missing later
         self.store.record_error(error)
         self._log.warning("corrupt", "chunk store %s: an entry is corrupt (%d so far), deleting it: %s",
                           self.store.url, self.stats.corrupt_entries, error)

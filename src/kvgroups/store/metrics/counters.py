@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 # Latency buckets (seconds): from a memory hit to a timeout.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # What a store failure counts as (kvgroups_errors_total{kind}): each error class of the store names its kind here.
-ERROR_TIMEOUT, ERROR_UNAVAILABLE, ERROR_CORRUPT, ERROR_TOO_LARGE, ERROR_FULL = (
-    "timeout", "unavailable", "corrupt", "too_large", "full")
-ERROR_KINDS = (ERROR_TIMEOUT, ERROR_UNAVAILABLE, ERROR_CORRUPT, ERROR_TOO_LARGE, ERROR_FULL)
+ERROR_TIMEOUT, ERROR_UNAVAILABLE, ERROR_CORRUPT, ERROR_TOO_LARGE, ERROR_FULL, ERROR_UNACKNOWLEDGED = (
+    "timeout", "unavailable", "corrupt", "too_large", "full", "unacknowledged")
+ERROR_KINDS = (ERROR_TIMEOUT, ERROR_UNAVAILABLE, ERROR_CORRUPT, ERROR_TOO_LARGE, ERROR_FULL, ERROR_UNACKNOWLEDGED)
 # Why a save was dropped (kvgroups_dropped_saves_total{reason}): the writer's queue was full, the store was
 # backed off after a failure, or no pinned buffer was free to pack it into.
 DROP_QUEUE_FULL, DROP_BACKED_OFF, DROP_NO_BUFFER = "queue_full", "backed_off", "no_buffer"
@@ -114,6 +114,8 @@ class StoreMetrics:
     failed_saves: int = 0
     failed_reads: int = 0  # lookups and loads the store failed (down, hung, refused)
     corrupt_entries: int = 0
+    # Entries this process saved or saw stored that a later lookup found missing (lost in a failover, evicted).
+    vanished_entries: int = 0
     tiers: list[TierMetrics] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -133,7 +135,8 @@ class StoreMetrics:
         histogram; per tier its reads, hits, promotions and the errors that happened."""
         plain: dict[str, object] = {"tier": self.tier, "hit_rate": round(self.hit_rate, 4)}
         for name in ("lookups", "query_tokens", "hit_tokens", "loads", "loaded_tokens", "short_loads", "load_bytes",
-                     "saved_chunks", "save_bytes", "dropped_saves", "failed_saves", "failed_reads", "corrupt_entries"):
+                     "saved_chunks", "save_bytes", "dropped_saves", "failed_saves", "failed_reads", "corrupt_entries",
+                     "vanished_entries"):
             plain[name] = getattr(self, name)
         plain["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
         plain["dropped_by_reason"] = {reason: count for reason, count in self.dropped_by_reason.items() if count}

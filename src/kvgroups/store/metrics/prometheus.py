@@ -40,6 +40,8 @@ COUNTERS = {
     "failed_saves": "chunks whose write failed (the store was down, full or refused them)",
     "failed_reads": "lookups and loads that failed (the store was down, hung or refused them)",
     "corrupt_entries": "entries that did not decode or check out (counted misses, deleted)",
+    "vanished_entries": "entries this process saved or saw stored that a later lookup found missing (lost with a "
+                        "failed-over master that had not passed them to its replica, evicted, expired, deleted)",
 }
 # A tier's own counters (TierMetrics' fields), exported as kvgroups_tier_<name>_total per tier.
 TIER_COUNTERS = {

@@ -85,12 +85,17 @@ class RedisClusterStore(RespStore):
 
     def _node_failed(self, node_name: str, error: BaseException) -> None:
         health = self._health.setdefault(node_name, Backoff(f"{self.url} master {node_name}", self._log))
-        # A master refusing queries while the cluster is down is there, and answers once it is whole again.
-        refused = isinstance(error, self._redis.exceptions.ClusterDownError) or (
-            isinstance(error, (RespError, self._redis.exceptions.ResponseError)) and str(
-                error.message if isinstance(error, RespError) else error).startswith("CLUSTERDOWN"))
-        health.failed("reach", error, retry_after=CLUSTER_DOWN_RETRY_SECONDS if refused else None)
-        if refused:
+        # A master refusing queries while the cluster is down is there, and answers once it is whole again;
+        # one that no longer holds the slot (MOVED, ASK: failed over, resharded) is there too, and holds its
+        # own slots: asked again once the topology is read again, not after a full back-off (5 s of misses
+        # for every slot it holds, which outlasted failovers by seconds).
+        reply = (error.message if isinstance(error, RespError) else str(error)) if isinstance(
+            error, (RespError, self._redis.exceptions.ResponseError)) else ""
+        refused = isinstance(error, self._redis.exceptions.ClusterDownError) or reply.startswith("CLUSTERDOWN")
+        moved = isinstance(error, (self._redis.exceptions.MovedError, self._redis.exceptions.AskError)) or \
+            reply.startswith(("MOVED", "ASK"))
+        health.failed("reach", error, retry_after=CLUSTER_DOWN_RETRY_SECONDS if refused or moved else None)
+        if refused or moved:  # there, answering: not a master that is gone
             self._refusing.add(node_name)
         else:
             self._refusing.discard(node_name)
@@ -149,11 +154,14 @@ class RedisClusterStore(RespStore):
 
     # --- the data path: a master that is down costs misses, not the others' hits -----------------------
     # Each part of each value is one job on the workers (RespStore); a job whose master is down or
-    # fails reads nothing (a miss) or writes nothing (a dropped save), and the failure backs that
-    # master off (recorded by _connection_for).
-    def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> None:
-        with contextlib.suppress(*self._isolated):
-            super()._set(layout)
+    # fails reads nothing (a miss) or writes nothing (a value not saved: put_many raises once every
+    # value was tried, without backing the others off), and the failure backs that master off
+    # (recorded by _connection_for).
+    def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> str | None:
+        try:
+            return super()._set(layout)
+        except self._isolated as error:
+            return f"{type(error).__name__}: {error}"
 
     def _get_range(self, name: bytes, buffer: bytearray, start: int) -> int:
         try:
@@ -169,6 +177,7 @@ class RedisClusterStore(RespStore):
             try:
                 node = self._node(head_name(key))
             except _NodeDownError:
+                self.note_unanswered()
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(index)
         for node_name, (node, indices) in by_node.items():
@@ -179,6 +188,7 @@ class RedisClusterStore(RespStore):
                     for index, found in zip(indices, pipeline.execute(), strict=True):
                         present[index] = bool(found)
             except self._errors as error:
+                self.note_unanswered()
                 self._node_failed(node_name, error)
         # A master down costs its keys' misses; only a cluster none of whose masters may be asked, or is there
         # at all, fails (a cluster refusing queries during a failover is there: misses until it is whole).

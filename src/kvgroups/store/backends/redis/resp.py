@@ -91,10 +91,14 @@ def get_range(connection: Any, key: bytes, start: int, into: memoryview) -> int:
     return 0 if value is None else len(value)
 
 
-def set_values(connection: Any, values: list[tuple[bytes, list[memoryview | bytes]]], ttl_seconds: int | None) -> None:
+def set_values(connection: Any, values: list[tuple[bytes, list[memoryview | bytes]]], ttl_seconds: int | None, *,
+               wait_replicas: int = 0, wait_timeout_ms: int = 0) -> None:
     """``SET key value [EX ttl]`` for each ``(key, pieces)`` in order, pipelined: every command is sent,
     then every reply read. A value is its ``pieces`` one after the other, each sent as it is (never
-    joined to the command or to each other). Raises the first error reply, after reading them all."""
+    joined to the command or to each other). With ``wait_replicas``, a ``WAIT`` follows, and fewer
+    replicas acknowledging the writes within ``wait_timeout_ms`` raise a ``NOREPLICAS`` :class:`RespError`
+    (the values are on the master, not yet anywhere else). Raises the first error reply, after reading
+    them all."""
     sock = _socket(connection)
     expiry = (b"EX", b"%d" % ttl_seconds) if ttl_seconds else ()
     tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in expiry)
@@ -104,14 +108,30 @@ def set_values(connection: Any, values: list[tuple[bytes, list[memoryview | byte
         for piece in pieces:
             sock.sendall(piece)
         sock.sendall(tail)
+    expected = len(values)
+    if wait_replicas:
+        replicas, timeout = b"%d" % wait_replicas, b"%d" % max(wait_timeout_ms, 1)  # WAIT 0 ms waits forever
+        sock.sendall(b"*3\r\n$4\r\nWAIT\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(replicas), replicas, len(timeout),
+                                                                             timeout))
+        expected += 1
     replies = b""
-    while replies.count(b"\r\n") < len(values):
+    while replies.count(b"\r\n") < expected:
         more = sock.recv(_FIRST_READ)
         if not more:
             raise ConnectionError("the server closed the connection mid-reply")
         replies += more
-    for reply in replies.split(b"\r\n")[:len(values)]:
+    lines = replies.split(b"\r\n")[:expected]
+    for reply in lines[:len(values)]:
         if reply.startswith(b"-"):
             raise RespError(reply[1:].decode("utf-8", "replace"))
         if reply != b"+OK":
             raise ConnectionError(f"unexpected reply {reply[:32]!r} to SET")
+    if wait_replicas:
+        acknowledged = lines[-1]
+        if acknowledged.startswith(b"-"):
+            raise RespError(acknowledged[1:].decode("utf-8", "replace"))
+        if not (acknowledged.startswith(b":") and acknowledged[1:].isdigit()):
+            raise ConnectionError(f"unexpected reply {acknowledged[:32]!r} to WAIT")
+        if int(acknowledged[1:]) < wait_replicas:
+            raise RespError(f"NOREPLICAS {int(acknowledged[1:])} of the {wait_replicas} replica(s) asked for "
+                            f"acknowledged the write within {wait_timeout_ms} ms")

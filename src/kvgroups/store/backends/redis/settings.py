@@ -5,8 +5,11 @@ and, for a cluster, ``redis-cluster://[user:password@]host:port[,host:port...]/`
 ``rediss-cluster://...`` (any of its nodes: the others are discovered) take ``?ttl=`` (whole
 seconds, at least 1), ``timeout=`` (seconds, finite and positive; 2 by default),
 ``max_connections=`` (a connection pool's size, 64 by default: threads beyond it wait for a
-connection, up to the timeout), ``db=`` (unix sockets) and, with TLS, ``ssl_ca_certs``,
-``ssl_certfile``, ``ssl_keyfile`` and ``ssl_cert_reqs`` (``required``, ``optional`` or ``none``).
+connection, up to the timeout), ``wait_replicas=`` (a write counts as saved only once this many
+replicas acknowledged it, Redis' ``WAIT``; 0, the default, does not wait) and ``wait_timeout=``
+(seconds ``WAIT`` waits, less than ``timeout``; half of it by default), ``db=`` (unix sockets) and,
+with TLS, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and ``ssl_cert_reqs`` (``required``,
+``optional`` or ``none``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class RedisSettings:
     ttl_seconds: int | None = None
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    wait_replicas: int = 0  # replicas that must acknowledge a write before it counts as saved (WAIT)
+    wait_timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS / 2
     tls_options: tuple[tuple[str, str], ...] = ()
 
     def connection_kwargs(self) -> dict[str, Any]:
@@ -94,19 +99,27 @@ def parse_redis_url(url: str) -> RedisSettings:
     unix = parts.scheme == "unix"
     tls = parts.scheme in ("rediss", "rediss-cluster")
     cluster = parts.scheme.endswith("-cluster")
-    allowed = ("ttl", "timeout", "max_connections", *(("db",) if unix else ()), *(_TLS_OPTIONS if tls else ()))
+    allowed = ("ttl", "timeout", "max_connections", "wait_replicas", "wait_timeout", *(("db",) if unix else ()),
+               *(_TLS_OPTIONS if tls else ()))
     options = url_options(url, parts.query, allowed)
     ttl = _whole(url, "ttl", options["ttl"], 1) if "ttl" in options else None
     timeout = _seconds(url, "timeout", options["timeout"]) if "timeout" in options else DEFAULT_TIMEOUT_SECONDS
     pool = _whole(url, "max_connections", options["max_connections"], 1) if "max_connections" in options \
         else DEFAULT_MAX_CONNECTIONS
+    wait_replicas = _whole(url, "wait_replicas", options["wait_replicas"], 0) if "wait_replicas" in options else 0
+    wait_timeout = _seconds(url, "wait_timeout", options["wait_timeout"]) if "wait_timeout" in options \
+        else timeout / 2
+    if wait_timeout >= timeout:  # WAIT holds the connection: its socket must outwait it
+        raise KVGroupsError(f"store URL {mask_url(url)!r}: wait_timeout={options['wait_timeout']!r} must be less "
+                            f"than the connection's timeout ({timeout:g} s)")
     if options.get("ssl_cert_reqs", "required") not in _CERT_REQS:
         raise KVGroupsError(f"store URL {mask_url(url)!r}: ssl_cert_reqs={options['ssl_cert_reqs']!r}; expected "
                             f"{', '.join(_CERT_REQS)}")
     credentials = {"username": unquote(parts.username) if parts.username else None,
                    "password": unquote(parts.password) if parts.password is not None else None}
     bare = mask_url(urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")))
-    common: dict[str, Any] = dict(ttl_seconds=ttl, timeout_seconds=timeout, max_connections=pool, **credentials)
+    common: dict[str, Any] = dict(ttl_seconds=ttl, timeout_seconds=timeout, max_connections=pool,
+                                  wait_replicas=wait_replicas, wait_timeout_seconds=wait_timeout, **credentials)
     tls_options = tuple((name, value) for name, value in options.items() if name in _TLS_OPTIONS)
     if cluster:
         if parts.path.strip("/"):

@@ -27,6 +27,7 @@ from kvgroups.store.backends.base import (
     StoreError,
     StoreFullError,
     StoreTimeoutError,
+    UnacknowledgedWriteError,
     Value,
     check_value,
 )
@@ -89,7 +90,9 @@ class RespStore(ByteStore):
         # A pool that stays exhausted for the whole timeout is a timeout too (a hung server holds its connections).
         timed_out = isinstance(error, self._timeouts) or "No connection available" in str(error)
         full = isinstance(error, RespError) and error.message.startswith("OOM")
-        kind = StoreTimeoutError if timed_out else StoreFullError if full else StoreError
+        unacknowledged = isinstance(error, RespError) and error.message.startswith("NOREPLICAS")
+        kind = StoreTimeoutError if timed_out else StoreFullError if full else \
+            UnacknowledgedWriteError if unacknowledged else StoreError
         return kind(f"{self.url}: cannot {action}: {type(error).__name__}: {error}")
 
     def _config_connection(self) -> Any:
@@ -122,14 +125,22 @@ class RespStore(ByteStore):
         self.put_many([(key, value)])
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> None:
+        """Write every value; raises when any is not saved as asked (with ``wait_replicas``: not
+        acknowledged by that many replicas), after trying them all."""
         layouts = [split(key, self._checked(key, value)) for key, value in items]
         # One value on one connection (its parts, then its head, in order: a server reads one stream
         # as fast as a client sends it); several values at once over the workers.
-        self._run("SET", [(self._set, layout) for layout in layouts])
+        unsaved = [problem for problem in self._run("SET", [(self._set, layout) for layout in layouts]) if problem]
+        if unsaved:
+            raise UnacknowledgedWriteError(f"{self.url}: {len(unsaved)} of {len(layouts)} value(s) not saved: "
+                                           f"{unsaved[0]}")
 
-    def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> None:
+    def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> str | None:
+        """Write one value on one connection; a subclass may answer why it was not saved instead of raising."""
         with self._connection_for(layout[-1][0]) as connection:
-            set_values(connection, layout, self.ttl_seconds)
+            set_values(connection, layout, self.ttl_seconds, wait_replicas=self.settings.wait_replicas,
+                       wait_timeout_ms=round(self.settings.wait_timeout_seconds * 1000))
+        return None
 
     def get(self, key: str, max_bytes: int | None = None) -> Stored | None:
         return self.get_many([key], max_bytes)[0]
