@@ -28,7 +28,7 @@ import torch
 
 from kvgroups.integrations.sglang.pools import KV_POOL, PagePool, RankInfo
 from kvgroups.integrations.sglang.settings import BackendSettings
-from kvgroups.store.backends.base import ByteStore
+from kvgroups.store.backends.base import ByteStore, UnacknowledgedWriteError
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
 from kvgroups.store.backends.urls import open_store
 from kvgroups.store.entries.codec import (
@@ -107,7 +107,8 @@ class PageStore:
         else:
             self.stats.failed_reads += 1
         self.store.record_error(error)
-        self._backoff.failed(action, error)
+        if not isinstance(error, UnacknowledgedWriteError):  # the store answered: only those pages are not saved
+            self._backoff.failed(action, error)
 
     def existing(self, keys: Sequence[str]) -> list[bool]:
         if not keys or not self.available():
