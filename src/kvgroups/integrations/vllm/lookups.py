@@ -16,10 +16,10 @@ from a few hashes and a dictionary, never the store.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvgroups.store.chunks.seen import SeenEntries
 
 logger = logging.getLogger(__name__)
 
@@ -118,23 +118,16 @@ class Lookups:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class KnownPrefixes:
+class KnownPrefixes(SeenEntries):
     """Prefix keys seen stored by this process, the newest ``capacity`` kept (thread-safe: background
     lookups add to it). A guess, never a promise: an entry evicted or written by a step whose save
     failed is still here, and a hit is only ever served after a lookup."""
 
     def __init__(self, capacity: int = MAX_KNOWN_PREFIXES) -> None:
-        self.capacity = capacity
-        self._keys: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
+        super().__init__(capacity)
 
     def add(self, keys: Iterable[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys[key] = None
-                self._keys.move_to_end(key)
-            while len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
+        self.stored(keys)
 
     def depth(self, keys: Sequence[str]) -> int:
         """How many of ``keys`` (a prompt's prefix keys, in order) are known from the first on."""
