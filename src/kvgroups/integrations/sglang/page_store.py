@@ -22,22 +22,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from kvgroups.integrations.sglang.pools import KV_POOL, PagePool, RankInfo
 from kvgroups.integrations.sglang.settings import BackendSettings
-from kvgroups.store.backends.base import ByteStore, UnacknowledgedWriteError
+from kvgroups.store.backends.base import ByteStore, Stored, UnacknowledgedWriteError
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
 from kvgroups.store.backends.urls import open_store
+from kvgroups.store.chunks.copies import first_good_copy
 from kvgroups.store.entries.codec import (
     CorruptEntryError,
     EntryInfo,
     entry_data,
     entry_slot_bytes,
     seal_entry,
-    view_entry,
 )
 from kvgroups.store.metrics.counters import DROP_BACKED_OFF, REGISTRY, StoreMetrics
 from kvgroups.store.metrics.prometheus import install as install_prometheus
@@ -153,29 +154,30 @@ class PageStore:
         """The page under ``key``, checked, as a view of ``buffer``; None when missing, unreadable or when no
         copy checks out. A copy that does not is counted and discarded, and where a later tier of a tier
         list holds another copy, that one is read and checked in its place."""
-        info = self._info(pool, key)
-        for _ in range(len(self.store.tiers)):
+        def read() -> Stored | None:
             try:
-                value = self.store.get_into(key, buffer)
+                return self.store.get_into(key, buffer)
             except Exception as error:  # a failed read is a miss
                 self._failed("load", error)
                 return None
-            if value is None:
-                return None
-            try:
-                return view_entry(value, info, secret=self.settings.secret)
-            except CorruptEntryError as error:
-                self.stats.corrupt_entries += 1
-                self.store.record_error(error)
-                self._log.warning("corrupt", "kvgroups HiCache storage: an entry is corrupt (%d so far), "
-                                  "discarding it: %s", self.stats.corrupt_entries, error)
-                try:
-                    if not self.store.discard_served(key, value, info.max_entry_bytes):
-                        return None
-                except Exception as discard_error:  # the next read misses it all the same
-                    self.store.record_error(discard_error)
-                    return None
-        return None
+
+        info = self._info(pool, key)
+        found = first_good_copy(read(), info, secret=self.settings.secret, tries=len(self.store.tiers),
+                                discard=partial(self._discard, key, info.max_entry_bytes), read_again=read)
+        return None if found is None else found[0]
+
+    def _discard(self, key: str, max_bytes: int, error: CorruptEntryError, value: Stored) -> bool:
+        """Count, say (rate-limited) and delete a copy of ``key`` that did not check out; whether a later tier
+        holds another."""
+        self.stats.corrupt_entries += 1
+        self.store.record_error(error)
+        self._log.warning("corrupt", "kvgroups HiCache storage: an entry is corrupt (%d so far), discarding it: %s",
+                          self.stats.corrupt_entries, error)
+        try:
+            return self.store.discard_served(key, value, max_bytes)
+        except Exception as discard_error:  # the next read misses it all the same
+            self.store.record_error(discard_error)
+            return False
 
     def write_pages(self, pool: PagePool, page_hashes: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Write the pages not stored yet (a page SGLang writes twice is written once); whether each is stored."""

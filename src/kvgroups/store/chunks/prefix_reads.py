@@ -19,9 +19,10 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.errors import KVGroupsError
 from kvgroups.store.backends.base import ByteStore, Stored
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
+from kvgroups.store.chunks.copies import first_good_copy
 from kvgroups.store.chunks.prefixes import LoadedEntries, LoadedPrefix, StoredPrefix, assemble, stored_prefix
 from kvgroups.store.chunks.seen import SeenEntries
-from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo, view_entry
+from kvgroups.store.entries.codec import CorruptEntryError, EntryInfo
 from kvgroups.store.entries.keys import TokenIds, boundary_keys, checked_keys
 from kvgroups.store.entries.secret import StoreSecret
 from kvgroups.store.metrics.counters import StoreMetrics
@@ -182,19 +183,13 @@ class PrefixReads:
         """The entry ``value`` holds, as a view of it; None when it is missing or no copy checks out. A copy
         that does not is discarded and, where a later tier holds another, ``read_again`` reads that one
         (None when it fails, the caller's failure counted), which is checked in turn."""
-        for _ in range(len(self.store.tiers)):
-            if value is None:
-                return None
-            try:
-                tensor = view_entry(value, info, secret=self.secret)
-            except CorruptEntryError as error:
-                if not self.discard_corrupt(info, error, value):
-                    return None
-                value = read_again()
-                continue
-            self.stats.bytes_read[info.group_index] += len(value)
-            return tensor
-        return None
+        found = first_good_copy(value, info, secret=self.secret, tries=len(self.store.tiers),
+                                discard=partial(self.discard_corrupt, info), read_again=read_again)
+        if found is None:
+            return None
+        tensor, value = found
+        self.stats.bytes_read[info.group_index] += len(value)
+        return tensor
 
     def _read_again(self, info: EntryInfo) -> Stored | None:
         try:
