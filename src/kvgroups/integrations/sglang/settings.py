@@ -11,13 +11,12 @@ it; any other key is refused by name, so a misspelt option never goes unnoticed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvgroups.errors import KVGroupsError
-from kvgroups.integrations.store_options import STORE_KEYS, read_store_options
+from kvgroups.integrations.store_options import STORE_KEYS, StoreOptions, read_store_options
 from kvgroups.store.backends.url_parts import mask_url
-from kvgroups.store.entries.secret import StoreSecret
 
 KNOWN_KEYS = STORE_KEYS
 # What SGLang's own code reads from the extra config (the dynamic backend's loader, the data path switch,
@@ -31,13 +30,10 @@ class BackendConfigError(KVGroupsError):
 
 
 @dataclass(frozen=True)
-class BackendSettings:
-    """``stores`` may hold passwords: shown masked (repr, errors, logs)."""
+class BackendSettings(StoreOptions):
+    """The store options every integration reads, and SGLang's data path switch; ``stores`` may hold
+    passwords: shown masked (repr, errors, logs)."""
 
-    stores: tuple[str, ...] = field(repr=False)
-    salt: str = field(default="", repr=False)
-    secret: StoreSecret | None = field(default=None, compare=False)
-    encrypt: bool = False
     interface_v1: bool = False
 
     @property
@@ -62,5 +58,5 @@ class BackendSettings:
         options = read_store_options(extra, problems)
         if problems:
             raise BackendConfigError("--hicache-storage-backend-extra-config for kvgroups: " + "; ".join(problems))
-        return cls(stores=options.stores, salt=options.salt, secret=options.secret, encrypt=options.encrypt,
+        return cls(**{option.name: getattr(options, option.name) for option in fields(options)},
                    interface_v1=bool(extra.get("interface_v1", 0)))

@@ -33,6 +33,10 @@ from kvgroups.integrations.sglang.settings import BackendSettings
 logger = logging.getLogger(__name__)
 
 
+def _plain(name: Any) -> str:
+    """SGLang's pool names and hit policies, enums or their string values, as the strings."""
+    return str(getattr(name, "value", name))
+
 
 class KVGroupsHiCacheStorage(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` on a kvgroups store: both data paths (``batch_get`` / ``batch_set`` on
@@ -57,7 +61,7 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = str(getattr(host_pool_name, "value", host_pool_name))
+        name = _plain(host_pool_name)
         if name not in self.pools or self.pools[name].host_pool is not host_pool:
             self._add_pool(name, host_pool)
 
@@ -149,8 +153,8 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
         checked = [*[self.pages.store_key(key) for key in keys],
                    *[self.pages.store_key(key, self._name(transfer)) for transfer in transfers for key in keys]]
         found = self.pages.existing(checked)
-        pools = [PoolPresence(self._name(transfer), str(getattr(transfer.hit_policy, "value", transfer.hit_policy)),
-                              len(transfer.keys or ()), found[number * len(keys): (number + 1) * len(keys)])
+        pools = [PoolPresence(self._name(transfer), _plain(transfer.hit_policy), len(transfer.keys or ()),
+                              found[number * len(keys): (number + 1) * len(keys)])
                  for number, transfer in enumerate(transfers, start=1)]
         hits = prefix_hits(found[: len(keys)], pools, kv_name=KV_POOL)
         self.stats.looked_up(len(keys) * kv.page_tokens, {self.store.tier_name: hits.pages * kv.page_tokens},
@@ -188,7 +192,7 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
 
     @staticmethod
     def _name(transfer: PoolTransfer) -> str:
-        return str(getattr(transfer.name, "value", transfer.name))
+        return _plain(transfer.name)
 
     def _known(self, transfer: PoolTransfer) -> bool:
         """A pool whose hit this backend can judge (registered, and a policy it implements)."""
