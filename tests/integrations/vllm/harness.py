@@ -26,6 +26,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.platforms import current_platform
@@ -41,7 +42,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -112,7 +113,7 @@ def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, nu
 def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16, max_batched: int = 256,
                 role: str = "kv_both", mamba_mode: str | None = None, prefix_caching: bool = False,
                 tp: int = 1, kv_events: bool = False, retention_interval: int | None = 0, max_num_seqs: int = 8,
-                inflight_kv_loads: int | None = None) -> VllmConfig:
+                inflight_kv_loads: int | None = None, spec_tokens: int = 0) -> VllmConfig:
     """``retention_interval``: vLLM's ``prefix_cache_retention_interval`` (its default, 0, keeps a
     recurrent state only where a request may resume; None keeps every one). ``inflight_kv_loads``:
     vLLM 0.34's ``max_num_inflight_kv_loads`` (set, loads may start while the running batch is full)."""
@@ -130,9 +131,14 @@ def vllm_config(model_dir: Path, extra: dict[str, Any], *, block_size: int = 16,
                                 kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     # KV events on: vLLM's scheduler publishes them (a test replaces the publisher's publish to read them).
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    # ``spec_tokens``: draft tokens per step (ngram speculative decoding; the test's sampler proposes them).
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens, prompt_lookup_max=3,
+                             prompt_lookup_min=1, target_model_config=model,
+                             target_parallel_config=parallel) if spec_tokens else None
     return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, kv_transfer_config=transfer,
-                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                      kv_events_config=events)
+                      device_config=DeviceConfig("cpu"), parallel_config=parallel, kv_events_config=events,
+                      speculative_config=spec)
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -164,6 +170,7 @@ class Step:
     output: Any  # SchedulerOutput
     metadata: KVGroupsConnectorMetadata
     finished_loads: set[str] = field(default_factory=set)  # reported to vLLM after this step
+    finished_saves: set[str] = field(default_factory=set)  # finished requests whose last saves were copied
     failed_loads: set[str] = field(default_factory=set)
     invalid_blocks: set[int] = field(default_factory=set)
     scheduler_stats: Any = None  # vLLM's SchedulerStats of the step (its connector stats, hits by source)
@@ -223,11 +230,13 @@ class SchedulerHarness:
         return request
 
     def step(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, *, before_load: Any = None,
-             forward: Any = None) -> Step:
+             forward: Any = None, sampler: Any = None) -> Step:
         """One engine step: schedule, hand the plans to ``worker`` (or to each tensor-parallel rank's:
         loads, ``forward(step)`` standing in for the model, saves; asynchronous loads run to their end
         within the step, ``before_load()`` first), and report what it finished (as vLLM aggregates
-        ranks: a load finished once every rank's is, failed where any rank's did)."""
+        ranks: a load finished once every rank's is, failed where any rank's did). ``sampler``: the
+        tokens each request sampled (``sampler.sample(request, drafts)``, accepted drafts first) and the
+        drafts it proposes for the next step (``sampler.propose(request)``); else token 7, no drafts."""
         output = self.scheduler.schedule()
         metadata = output.kv_connector_metadata
         assert isinstance(metadata, KVGroupsConnectorMetadata)
@@ -238,6 +247,7 @@ class SchedulerHarness:
             if before_load is not None and metadata.loads:
                 before_load()
             finished: list[set[str]] = []
+            sent: list[set[str]] = []
             for each in workers:
                 each.side.load(metadata)
             if forward is not None:
@@ -247,9 +257,11 @@ class SchedulerHarness:
                 assert each.side.wait_for_loads(timeout=60)
                 done, failed = each.side.finished_loads()
                 finished.append(done)
+                sent.append(each.side.finished_saves())
                 step.failed_loads |= failed
                 step.invalid_blocks |= each.side.take_load_errors()
             step.finished_loads = set.intersection(*finished)
+            step.finished_saves = set.intersection(*sent)
             # The entries each rank wrote or deleted (build_connector_worker_meta), aggregated as vLLM does.
             reports = [report for each in workers if each.side.reports is not None
                        and (report := each.side.reports.take()) is not None]
@@ -257,7 +269,8 @@ class SchedulerHarness:
             worker = workers[0]
             # What the worker's connector hands vLLM each step (KVGroupsConnector.get_kv_connector_stats).
             stats = worker.side.stats.take() if worker.side.stats is not None else None
-            connector_output = KVConnectorOutput(finished_recving=step.finished_loads or None,
+            connector_output = KVConnectorOutput(finished_sending=step.finished_saves or None,
+                                                 finished_recving=step.finished_loads or None,
                                                  failed_recving=step.failed_loads,
                                                  invalid_block_ids=step.invalid_blocks,
                                                  kv_connector_stats=KVGroupsConnectorStats(stats) if stats else None,
@@ -266,24 +279,33 @@ class SchedulerHarness:
         sampled = []
         for request_id in ids:
             request = self.scheduler.requests[request_id]
-            sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
+            if sampler is not None:
+                sampled.append(sampler.sample(request, output.scheduled_spec_decode_tokens.get(request_id, [])))
+            else:
+                sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
         # vLLM 0.34 dropped req_id_to_index (the index is the position in req_ids).
         index = ({"req_id_to_index": {request_id: index for index, request_id in enumerate(ids)}}
                  if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)} else {})
         outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
             req_ids=ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
             kv_connector_output=connector_output, **index))
+        if sampler is not None:
+            running = [request_id for request_id in ids if request_id in self.scheduler.requests
+                       and not self.scheduler.requests[request_id].is_finished()]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(
+                running, [sampler.propose(self.scheduler.requests[request_id]) for request_id in running]))
         step.scheduler_stats = next((outputs[index].scheduler_stats for index in outputs), None)
         step.kv_transfer_params = {output.request_id: output.kv_transfer_params for index in outputs
                                    for output in outputs[index].outputs if output.kv_transfer_params is not None}
         return step
 
     def run(self, worker: FakeWorker | tuple[FakeWorker, ...] | None = None, max_steps: int = 50, *,
-            forward: Any = None) -> list[Step]:
-        """Step until every request finished, handing each step's plans to ``worker`` as an engine would."""
+            forward: Any = None, sampler: Any = None) -> list[Step]:
+        """Step until every request finished and vLLM holds none of their blocks (as an engine steps on
+        while a connector saves a finished request's), handing each step's plans to ``worker``."""
         steps: list[Step] = []
-        while self.scheduler.has_unfinished_requests() and len(steps) < max_steps:
-            steps.append(self.step(worker, forward=forward))
+        while self.scheduler.has_requests() and len(steps) < max_steps:
+            steps.append(self.step(worker, forward=forward, sampler=sampler))
             if not steps[-1].output.num_scheduled_tokens:
                 time.sleep(0.005)  # a lookup or a load runs in the background
         for each in worker if isinstance(worker, tuple) else (worker,) if worker is not None else ():

@@ -165,7 +165,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         plans = self._plans()
         finished, failed = self._worker.finished_loads(idle=plans is not None and plans.idle)
         # A failed load is reported finished too: vLLM then recomputes the request and frees its blocks.
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=self._worker.finished_saves(), finished_recving=finished,
+                                          failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The entries this worker wrote or deleted since the last step, for the scheduler's KV events."""

@@ -137,9 +137,5 @@ class KnownPrefixes(SeenEntries):
                     return index
             return len(keys)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._keys.clear()
-
     def __len__(self) -> int:
         return len(self._keys)

@@ -63,6 +63,10 @@ class LoadPlan:
         return blocks
 
 
+# A SavePlan's step_end where no running state is known to be any token's (a step with draft tokens).
+NO_RUNNING_STATE = -1
+
+
 @dataclass(frozen=True)
 class SavePlan:
     """Save chunks ``chunks`` of a request, completed by this step, which computed tokens up to ``step_end``.
@@ -72,17 +76,20 @@ class SavePlan:
     only where its state at the chunk's end is in a block now: a block vLLM handed over for that
     boundary (``boundary_states``: vLLM's ``boundary_state_offloads`` in ``mamba_cache_mode``
     "align", such as a state a forward exported inside its step), or the block of this step's
-    running state where the step ends exactly at the chunk's end.
+    running state where the step ends exactly at the chunk's end (``step_end``; :data:`NO_RUNNING_STATE`
+    where the step computed draft tokens). ``finishing``: the request finished; the worker reports it
+    (``finished_sending``) once these copies are done, and vLLM frees its blocks then.
     """
 
     request_id: str
-    token_bytes: bytes  # the prompt tokens through the last chunk saved, uint32 little-endian
+    token_bytes: bytes  # the request's tokens through the last chunk saved, uint32 little-endian
     request_salt: str
     chunks: tuple[int, ...]
     step_end: int
     block_ids: tuple[tuple[int, ...], ...]
     # (vLLM group index, tokens, block id): the state after that many tokens is in that block.
     boundary_states: tuple[tuple[int, int, int], ...] = ()
+    finishing: bool = False
 
     @property
     def tokens(self) -> np.ndarray:

@@ -32,7 +32,7 @@ def request_options(request: Any) -> tuple[bool, bool]:
 @dataclass
 class RequestState:
     request: Any
-    tokens: np.ndarray  # prompt token ids, uint32
+    tokens: np.ndarray  # its token ids as far as read (the prompt, then generated ones: see_tokens), uint32
     salt: str
     may_load: bool = True
     may_save: bool = True
@@ -43,7 +43,14 @@ class RequestState:
     hit_ends: set[int] = field(default_factory=set)  # planned chunks a hit may end at (their states saved)
     first_start: int | None = None  # the tokens computed (vLLM's own cache, loads) when its first step began
     chunk_tiers: tuple[str, ...] = ()  # the tier serving each chunk of the stored prefix (set by its lookup)
-    prefix_keys: list[str] | None = None  # rank 0's key of each full chunk of the prompt, once hashed
+    prefix_keys: list[str] | None = None  # rank 0's key of each full chunk of tokens, once hashed
     early: bool = False  # may_load_async answered True: its load may start while vLLM's batch is full
     early_judged: bool = False  # whether its lookup said if that guess was right (counted once)
     handover: HandoverWait | None = None  # a P/D decode request's wait for the prefill server's entries
+    final_end: int | None = None  # the tokens whose KV was final after its last planned step
+
+    def see_tokens(self, num_tokens: int) -> None:
+        """Read the request's token ids (prompt and generated) up to at least ``num_tokens`` where fewer are read."""
+        if len(self.tokens) < num_tokens:
+            self.tokens = np.asarray(self.request.all_token_ids, dtype=np.uint32)
+            self.prefix_keys = None  # hashed again, longer, when asked

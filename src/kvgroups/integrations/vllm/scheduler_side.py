@@ -12,6 +12,7 @@ size, itself a multiple of every KV-cache group's block size.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -23,8 +24,9 @@ from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.events import StoreEvents
 from kvgroups.integrations.vllm.handover import expect_handover, handover_chunks, handover_params, wants_handover
 from kvgroups.integrations.vllm.lookups import KnownPrefixes, Lookups, all_tiers_local
-from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, request_salt, token_bytes
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, request_salt, token_bytes
 from kvgroups.integrations.vllm.request_state import RequestState, request_options
+from kvgroups.integrations.vllm.saves import SavePlanner
 from kvgroups.integrations.vllm.stats import ConnectorCounts, StatsReporter
 from kvgroups.store.backends.urls import open_store
 from kvgroups.store.chunks.chunk_store import KVChunkStore
@@ -61,6 +63,7 @@ class SchedulerSide:
         self.counts = ConnectorCounts()
         self.stats = StatsReporter(self.rank_stores[0].stats, self.counts)
         self.events = StoreEvents(deployment, self.rank_stores, kv_cache_config) if deployment.kv_events else None
+        self.saves = SavePlanner(deployment, self.counts, self._prefix_keys, self.known)
         if deployment.unservable:
             logger.warning("KVGroupsConnector will save chunks but serve no hits: %s", deployment.unservable)
         if deployment.sparse_states:
@@ -101,6 +104,7 @@ class SchedulerSide:
         if (state is None or not state.may_load or state.load_failed or not self.deployment.is_consumer
                 or self.deployment.unservable):
             return 0, False
+        state.see_tokens(len(request.all_token_ids))  # a request vLLM preempted resumes with its generated tokens
         usable = (len(state.tokens) - 1) // self.chunk_size * self.chunk_size
         if usable <= num_computed_tokens:
             return 0, False
@@ -156,7 +160,7 @@ class SchedulerSide:
         return int(probe(request)) if probe is not None else 0
 
     def _prefix_keys(self, state: RequestState) -> list[str]:
-        """Rank 0's key of every full chunk of the prompt, hashed once per request."""
+        """Rank 0's key of every full chunk of the request's tokens read so far, hashed once per length."""
         if state.prefix_keys is None:
             state.prefix_keys = self.rank_stores[0].keys(state.tokens, request_salt=state.salt)
         return state.prefix_keys
@@ -183,6 +187,7 @@ class SchedulerSide:
         if state is None or num_external_tokens <= 0:
             return
         state.load = (state.queried_local + num_external_tokens, state.queried_local)
+        self.saves.loaded(state, *state.load)
         if state.queried_local:  # local hit, then the store, then compute
             self.counts.continued(state.queried_local, num_external_tokens)
         if self.asynchronous:
@@ -224,6 +229,8 @@ class SchedulerSide:
         # boundaries this step (request -> (group, block, tokens)): a chunk's state is taken from there.
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         boundary_states = getattr(block_state, "boundary_state_offloads", None) or {}
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        metadata.saves.extend(self.saves.take_finishing())  # requests that finished with chunks still to save
         for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
@@ -231,49 +238,20 @@ class SchedulerSide:
             # Called before the scheduler advances num_computed_tokens: this step starts here.
             start = int(state.request.num_computed_tokens)
             state.first_start = start if state.first_start is None else state.first_start
-            block_ids: tuple[tuple[int, ...], ...] | None = None
             if state.load is not None:
-                block_ids = self._block_ids(request_id)
-                metadata.loads.append(self._load_plan(request_id, state, block_ids, asynchronous=False))
-            if not self.deployment.is_producer or not state.may_save:
+                metadata.loads.append(self._load_plan(request_id, state, self._block_ids(request_id),
+                                                      asynchronous=False))
+            plan = self.saves.step(state, int(num_scheduled), len(drafts.get(request_id, ())),
+                                   functools.partial(self._block_ids, request_id), boundary_states.get(request_id, ()))
+            if plan is None:
                 continue
-            end = min(start + int(num_scheduled), len(state.tokens))
-            chunks = tuple(
-                chunk for chunk in range(start // self.chunk_size, end // self.chunk_size)
-                if chunk not in state.planned
-            )
-            if not chunks:
-                continue
-            state.planned.update(chunks)
-            self.known.add(self._prefix_keys(state)[chunk] for chunk in chunks)
-            metadata.saves.append(plan := SavePlan(
-                request_id=request_id,
-                token_bytes=token_bytes(state.tokens[: (chunks[-1] + 1) * self.chunk_size]),
-                request_salt=state.salt, chunks=chunks, step_end=start + int(num_scheduled),
-                block_ids=block_ids or self._block_ids(request_id),
-                boundary_states=tuple((int(group), int(tokens), int(block))
-                                      for group, block, tokens in boundary_states.get(request_id, ())
-                                      if block and tokens % self.chunk_size == 0),
-            ))
-            self._count_stateless(plan)
-            state.hit_ends.update(plan.hit_ends(self.deployment.plan.engine_groups, self.chunk_size))
+            metadata.saves.append(plan)
             if self.events is not None:
                 self.events.saving(state.request, plan)
         if self.events is not None:
             for load in metadata.loads:
                 self.events.loading(self._requests[load.request_id].request, load)
         return metadata
-
-    def _count_stateless(self, plan: SavePlan) -> None:
-        """Count (and say, the first time) a hybrid's step saving no recurrent state: none of its chunks ends a hit."""
-        if not plan.stores_no_state(self.deployment.plan.engine_groups, self.chunk_size):
-            return
-        if not self.counts.stateless_saves:
-            logger.warning("KVGroupsConnector: request %s saved chunks %s without a recurrent state at any of their "
-                           "ends (vLLM ended its step at token %d and kept no state on a chunk boundary): none of "
-                           "them can end a hit. Counted in kvgroups_stateless_saves_total", plan.request_id,
-                           list(plan.chunks), plan.step_end)
-        self.counts.stateless_saves += 1
 
     def keep_state_grid(self) -> None:
         """Put vLLM's ``cache_config.block_size`` back to the recurrent groups' block size where it differs.
@@ -314,18 +292,20 @@ class SchedulerSide:
         return tuple(tuple(int(block) for block in ids) for ids in self._kv_cache_manager.get_block_ids(request_id))
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its blocks can be freed at once (saves copied them out in their step; a
-        load still running holds them through vLLM until the worker reports it)."""
+        """Forget the request. Its blocks can be freed at once (saves copied them out in their step; a load
+        still running holds them through vLLM until the worker reports it), unless chunks its last step
+        made final are still to be saved: then True, and vLLM keeps them until the worker reports that save."""
         state = self._requests.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
         if self.events is not None:
             self.events.forget(request.request_id)
+        delay_free = state is not None and self.saves.finished(state, lambda: self._block_ids(request.request_id))
         if not wants_handover(request):
-            return False, None
+            return delay_free, None
         self.counts.handovers_sent += 1
         stored = 0 if state is None else handover_chunks(state, self.known.depth(self._prefix_keys(state)),
                                                          self.chunk_size, self.deployment.plan.engine_groups)
-        return False, handover_params(request, stored, self.chunk_size, self.deployment.world_size)
+        return delay_free, handover_params(request, stored, self.chunk_size, self.deployment.world_size)
 
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: what the store
@@ -338,6 +318,7 @@ class SchedulerSide:
         self._requests.clear()
         self._async_loads.clear()
         self.known.clear()
+        self.saves.clear()
         if self.events is not None:
             self.events.reset()
         logger.warning("KVGroupsConnector: prefix cache reset; chunks stored before are not served by this server")

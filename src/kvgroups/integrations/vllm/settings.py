@@ -1,7 +1,7 @@
 """The connector's settings, read from ``kv_connector_extra_config``, and the identity of the served model.
 
 ``{"store": URL or [URLs], "chunk_size": N, "salt": S, "secret_file": PATH, "encrypt": bool,
-"max_pending_bytes": N, "load_mode": "async" | "sync", "handover_wait_seconds": S}``: where
+"max_pending_bytes": N, "load_mode": "async" | "sync", "handover_wait_seconds": S, "save_decode": bool}``: where
 chunks live (a list is a tier
 chain, fastest first), how many tokens a stored chunk holds (a multiple of every KV-cache
 group's block size; without it, the smallest such multiple of at least ``MIN_CHUNK_TOKENS``,
@@ -11,7 +11,8 @@ file holding the deployment's secret (else ``$KVGROUPS_STORE_SECRET``, else none
 entries are encrypted, the host memory queued saves may hold, and how hits are loaded: in
 background threads while other requests run (``"async"``, the default), or before the forward
 that needs them (``"sync"``), and how long a decode server waits for a prefill server's hand-over
-(:mod:`~kvgroups.integrations.vllm.handover`).
+(:mod:`~kvgroups.integrations.vllm.handover`), and whether the chunks a request's generated tokens fill
+are saved too (``save_decode``, on by default: a conversation's next turn loads the previous reply).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvgroups.store.entries.identity import files_digest
 from kvgroups.store.entries.identity import model_identity as identity
 from kvgroups.store.entries.secret import StoreSecret
 
-KNOWN_KEYS = (*STORE_KEYS, "chunk_size", "max_pending_bytes", "load_mode", "handover_wait_seconds")
+KNOWN_KEYS = (*STORE_KEYS, "chunk_size", "max_pending_bytes", "load_mode", "handover_wait_seconds", "save_decode")
 MAX_HANDOVER_WAIT_SECONDS = 600.0
 # Without "chunk_size" a chunk is the smallest multiple of every KV-cache group's block size (vLLM
 # picks a hybrid's at start-up, to fit a state in a page) holding at least this many tokens (but see
@@ -62,6 +63,7 @@ class ConnectorSettings:
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     load_mode: str = "async"
     handover_wait_seconds: float = DEFAULT_HANDOVER_WAIT_SECONDS
+    save_decode: bool = True
 
     @property
     def masked_stores(self) -> tuple[str, ...]:
@@ -70,7 +72,7 @@ class ConnectorSettings:
     def __repr__(self) -> str:
         return (f"ConnectorSettings(stores={self.masked_stores!r}, chunk_size={self.chunk_size}, "
                 f"salt=<{len(self.salt)} chars>, secret={'<set>' if self.secret else None}, encrypt={self.encrypt}, "
-                f"load_mode={self.load_mode!r})")
+                f"load_mode={self.load_mode!r}, save_decode={self.save_decode})")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -97,11 +99,14 @@ class ConnectorSettings:
         if type(wait) not in (int, float) or not 0 <= wait <= MAX_HANDOVER_WAIT_SECONDS:
             problems.append(f"'handover_wait_seconds' must be a number from 0 to {MAX_HANDOVER_WAIT_SECONDS:g}, "
                             f"got {wait!r}")
+        save_decode = extra.get("save_decode", True)
+        if not isinstance(save_decode, bool):
+            problems.append(f"'save_decode' must be true or false, got {save_decode!r}")
         if problems:
             raise ConnectorConfigError("kv_connector_extra_config for KVGroupsConnector: " + "; ".join(problems))
         return cls(stores=options.stores, chunk_size=chunk_size, salt=options.salt, secret=options.secret,
                    encrypt=options.encrypt, max_pending_bytes=pending, load_mode=load_mode,
-                   handover_wait_seconds=float(wait))
+                   handover_wait_seconds=float(wait), save_decode=save_decode)
 
     def for_blocks(self, block_sizes: Mapping[int, int], *, states_on_block_grid: bool = False) -> ConnectorSettings:
         """These settings with the chunk size vLLM's block sizes (KV-cache group -> tokens per block) allow:

@@ -27,6 +27,8 @@ CONNECTOR_COUNTERS = {
     "continued_hits": "requests whose store hit continued a hit of vLLM's own prefix cache",
     "continued_local_tokens": "of those requests' prompts, the tokens vLLM's own prefix cache served",
     "continued_store_tokens": "of those requests' prompts, the tokens the store served after them",
+    "decode_saves": "chunks saved that hold generated tokens (save_decode): a conversation's next turn loads them",
+    "decode_chunk_loads": "chunks loaded that this server saved from generated tokens",
     "stateless_saves": "a hybrid's saves (one request's step) that stored no recurrent state: none can end a hit",
     "early_loads": "requests whose load may start while vLLM's running batch is full (may_load_async)",
     "early_load_misses": "of those, the ones whose lookup found nothing beyond vLLM's own cache to load",
@@ -45,6 +47,8 @@ class ConnectorCounts:
     continued_hits: int = 0
     continued_local_tokens: int = 0
     continued_store_tokens: int = 0
+    decode_saves: int = 0
+    decode_chunk_loads: int = 0
     stateless_saves: int = 0
     early_loads: int = 0
     early_load_misses: int = 0
@@ -137,7 +141,8 @@ class KVGroupsConnectorStats(KVConnectorStats):
             if values:
                 reduced[f"{name.removesuffix('_seconds')}_ms_mean"] = round(1000 * sum(values) / len(values), 2)
         for name in ("continued_hits", "continued_local_tokens", "continued_store_tokens", "short_loads",
-                     "dropped_saves", "failed_reads", "failed_saves", "corrupt_entries", "vanished_entries"):
+                     "decode_saves", "decode_chunk_loads", "dropped_saves", "failed_reads", "failed_saves",
+                     "corrupt_entries", "vanished_entries"):
             if counters.get(name):
                 reduced[name] = counters[name]
         return reduced

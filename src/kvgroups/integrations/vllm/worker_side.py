@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Mapping
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.datapath.buffers import HostBufferPool, ReadBuffers
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.datapath.slots import paged_slots
-from kvgroups.datapath.streams import Completion, CopyStream
+from kvgroups.datapath.streams import DONE, Completion, CopyStream
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
@@ -54,6 +55,14 @@ logger = logging.getLogger(__name__)
 # How long a step that computed nothing waits for an asynchronous load to end (the engine's next step
 # starts at once when one does); bounded, so that new requests are admitted as before.
 IDLE_WAIT_SECONDS = 0.05
+Bound = TypeVar("Bound")
+
+def bound(value: Bound | None) -> Bound:
+    """What ``register_kv_caches`` sets up, once it has."""
+    if value is None:
+        raise KVGroupsError("register_kv_caches was not called before the first load or save")
+    return value
+
 
 class WorkerSide:
     """One worker's caches bound to its rank's chunk store."""
@@ -82,6 +91,8 @@ class WorkerSide:
         self.shared_reader: EntryReader | None = None
         # The entries written and deleted, for the scheduler's KV events (only where vLLM publishes them).
         self.reports = EntryReports() if deployment.kv_events else None
+        # Finished requests whose last saves copy out of their blocks: vLLM frees those once reported.
+        self._finishing: list[tuple[str, Completion]] = []
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self._registered = dict(kv_caches)
@@ -169,7 +180,7 @@ class WorkerSide:
                 # Beside a forward a load copies on one thread; in a step that computes nothing (every
                 # request waits) on all of them.
                 transfers = self.transfers if metadata.idle else self.load_transfers
-                self._background_loads().submit(plan.request_id, partial(self._launch, plan, transfers))
+                bound(self.loads).submit(plan.request_id, partial(self._launch, plan, transfers))
                 continue
             if self._sync_buffers is None:
                 self._sync_buffers = self._read_buffers()
@@ -181,7 +192,7 @@ class WorkerSide:
 
     def _read_buffers(self) -> ReadBuffers:
         """Where one loading thread reads entries: pinned on a GPU, each refilled once copied from."""
-        return ReadBuffers(self._reader().buffer_size(), pin=self.device.type == "cuda")
+        return ReadBuffers(bound(self.reader).buffer_size(), pin=self.device.type == "cuda")
 
     def _launch(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> tuple[bool, Completion]:
         """Restore ``plan`` on the load stream: whether every entry was there, and the end of its copies
@@ -201,12 +212,12 @@ class WorkerSide:
         """
         begin = time.perf_counter()
         restored = self._restore_entries(plan, transfers, buffers)
-        self._bound_store().stats.loaded(plan.num_tokens - plan.local_tokens if restored else 0,
+        bound(self.store).stats.loaded(plan.num_tokens - plan.local_tokens if restored else 0,
                                          time.perf_counter() - begin, short=not restored)
         return restored
 
     def _restore_entries(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
-        store = self._bound_store()
+        store = bound(self.store)
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         shared_keys = (self.shared_store.keys(plan.tokens, request_salt=plan.request_salt)
                        if self.shared_store is not None else keys)
@@ -219,7 +230,7 @@ class WorkerSide:
                     if engine_group.token_indexed and first + self.chunk_size <= plan.local_tokens:
                         continue  # in vLLM's own prefix cache already
                     shared = self.shared_reader is not None and member in self.deployment.shared_groups
-                    reader = self.shared_reader if shared and self.shared_reader is not None else self._reader()
+                    reader = self.shared_reader if shared and self.shared_reader is not None else bound(self.reader)
                     index, buffer = buffers.take()
                     entry = reader.read((shared_keys if shared else keys)[chunk], member, chunk, buffer)
                     if entry is None:
@@ -248,16 +259,6 @@ class WorkerSide:
             rows = entry.index_select(2, torch.from_numpy(positions[kept] - first))
             transfer.unpack([rows], torch.from_numpy(slots[kept]), synchronize=False)
 
-    def _reader(self) -> EntryReader:
-        if self.reader is None:
-            raise KVGroupsError("register_kv_caches was not called before the first load")
-        return self.reader
-
-    def _background_loads(self) -> BackgroundLoads:
-        if self.loads is None:
-            raise KVGroupsError("register_kv_caches was not called before the first load")
-        return self.loads
-
     def finished_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads ended since the last call, and those of them that failed.
 
@@ -280,21 +281,31 @@ class WorkerSide:
 
     # --- saves ------------------------------------------------------------------------------
     def save(self, metadata: KVGroupsConnectorMetadata) -> None:
-        if not self.transfers and self._registered:  # asleep: the caches' memory is not ours to read
-            return
+        asleep = not self.transfers and bool(self._registered)  # the caches' memory is not ours to read
         for plan in metadata.saves:
             try:
-                self._save(plan)
+                if not asleep:
+                    self._save(plan)
             except Exception:  # a save that fails costs a later miss, never this request
                 logger.exception("request %s: saving chunks %s failed", plan.request_id, list(plan.chunks))
-        if metadata.saves:
+        if metadata.saves and not asleep:
             # vLLM may hand the blocks a save reads to another request at its next step (a finished
             # request's, a window's, a state vLLM moves on from) and the next forward may write them:
             # the engine's stream runs on only after this step's save copies (no thread waits).
-            self.save_stream.before_engine(self.save_stream.record())
+            self.save_stream.before_engine(copies := self.save_stream.record())
+            self._finishing += [(plan.request_id, copies) for plan in metadata.saves if plan.finishing]
+        elif metadata.saves:  # nothing was copied: its blocks are free to go
+            self._finishing += [(plan.request_id, DONE) for plan in metadata.saves if plan.finishing]
+
+    def finished_saves(self) -> set[str]:
+        """Finished requests whose last saves are copied out of their blocks (vLLM's ``finished_sending``:
+        it frees their blocks now), whether those saves succeeded or not."""
+        done = {request_id for request_id, copies in self._finishing if copies.query()}
+        self._finishing = [(request_id, copies) for request_id, copies in self._finishing if request_id not in done]
+        return done
 
     def _save(self, plan: SavePlan) -> None:
-        store = self._bound_store()
+        store = bound(self.store)
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         owned = set(self.deployment.owned_groups(self.rank))  # rank 0 alone saves what every rank holds alike
         for chunk in plan.chunks:
@@ -302,7 +313,7 @@ class WorkerSide:
             if not packs:
                 continue
             # Queued saves hold host memory from a bounded pool, never the engine's device memory.
-            buffers = self._host_buffers().take([
+            buffers = bound(self.host_buffers).take([
                 (self.deployment.groups[member].chunk_shape(self.chunk_size), self.deployment.groups[member].dtype)
                 for member in packs])
             if buffers is None:
@@ -317,20 +328,10 @@ class WorkerSide:
                                                                   **how)[0]
                 copies = self.save_stream.record()
             # The writer waits for the copies before it encodes the buffers.
-            store.save_chunk(keys[chunk], chunk, tensors, release=partial(self._host_buffers().give_back, buffers),
+            store.save_chunk(keys[chunk], chunk, tensors, release=partial(bound(self.host_buffers).give_back, buffers),
                              ready=copies.synchronize, written=self.reports.written if self.reports else None)
 
     # --- helpers ----------------------------------------------------------------------------
-    def _host_buffers(self) -> HostBufferPool:
-        if self.host_buffers is None:
-            raise KVGroupsError("register_kv_caches was not called before the first save")
-        return self.host_buffers
-
-    def _bound_store(self) -> KVChunkStore:
-        if self.store is None:
-            raise KVGroupsError("register_kv_caches was not called before the first load or save")
-        return self.store
-
     def flush(self) -> None:
         """Wait until every queued save is written."""
         if self.store is not None:

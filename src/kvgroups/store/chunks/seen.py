@@ -39,6 +39,15 @@ class SeenEntries:
                     count += 1
         return count
 
+    def held(self, keys: Iterable[str]) -> int:
+        """How many of ``keys`` are known stored."""
+        with self._lock:
+            return sum(key in self._keys for key in keys)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._keys.clear()
+
     def forget(self, keys: Iterable[str]) -> None:
         """``keys`` were deleted on purpose (a corrupt entry discarded): not vanished when missing later."""
         with self._lock:
