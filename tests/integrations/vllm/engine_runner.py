@@ -5,7 +5,10 @@
 [...], "cache_salt": ...}], "before": {"stop_pid": pid}, "max_tokens": n, "kv_transfer_params": {...}
 (each optional)}], "out": path, "store_dir": dir (optional)}``. Greedy, with logprobs, vLLM's
 prefix cache off unless ``"prefix_caching": true``. With ``store_dir`` (a file store), each phase's
-result lists the keys the store holds after it, its saves written. Optional: ``"attention_backend"``
+result lists the keys the store holds after it, its saves written. A phase with ``"reply_then":
+[[tokens], ...]`` instead of requests is a conversation's next turn: each request of the phase before
+it, followed by its reply and those tokens. Optional: ``"speculative_config"`` (vLLM's, such as
+``{"method": "ngram", "num_speculative_tokens": 3}``), ``"attention_backend"``
 (a vLLM backend name), ``"kv_events"`` (``{"endpoint": ..., "topic": ...}``: KV events published
 over ZMQ), ``"mamba_ssm_cache_dtype"``, ``"cpu_attention_kernels": "vec"``, which keeps vLLM's
 CPU attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a
@@ -82,6 +85,8 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **job["kv_events"])
     if "attention_backend" in job:
         extra["attention_config"] = {"backend": job["attention_backend"]}
+    if "speculative_config" in job:  # e.g. {"method": "ngram", "num_speculative_tokens": 3, ...}
+        extra["speculative_config"] = job["speculative_config"]
     return LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),
                enforce_eager=True, enable_prefix_caching=job.get("prefix_caching", False),
                max_model_len=job.get("max_model_len", 2048),
@@ -132,7 +137,13 @@ def main() -> None:
         mamba_mixer2.MambaMixer2.get_kv_cache_spec = abstract.MambaBase.get_kv_cache_spec
     engine = _engine(job, job.get("connector"))
     results: list[dict[str, Any]] = []
-    for phase in job["phases"]:
+    for given in job["phases"]:
+        phase = given
+        if "reply_then" in given:  # a conversation's next turn: each earlier prompt, its reply, a new message
+            phase = {**given, "requests": [
+                {**asked, "prompt_token_ids": [*asked["prompt_token_ids"], *answer["token_ids"], *message]}
+                for asked, answer, message in zip(results[-1]["requests"], results[-1]["outputs"],
+                                                  given["reply_then"], strict=True)]}
         before = phase.get("before", {})
         if "stop_pid" in before:
             os.kill(before["stop_pid"], signal.SIGKILL)
@@ -149,6 +160,7 @@ def main() -> None:
 
             assert all(engine.collective_rpc(flush_saves))
         results.append({
+            "requests": phase["requests"],
             "seconds": elapsed,
             # The block size vLLM settled on (for a hybrid it sizes attention blocks to hold a state).
             "block_size": engine.llm_engine.vllm_config.cache_config.block_size,

@@ -67,9 +67,10 @@ MAX_MODEL_LEN = 1024
 CHUNK = 32  # tokens per stored chunk in these tests
 
 
-def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str = "none") -> list[KVCacheGroupSpec]:
+def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str = "none",
+                spec_blocks: int = 0) -> list[KVCacheGroupSpec]:
     """One vLLM group of two layers per kind ("sliding", "full", "diffkv_sliding", "diffkv_full", "mla", "mamba",
-    "mamba2"), layer names interleaved."""
+    "mamba2"), layer names interleaved; ``spec_blocks``: a recurrent group's state blocks for draft tokens."""
     attention: dict[str, Any] = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
     diff_kv = {**attention, "head_size": DIFF_KEYS, "head_size_v": DIFF_VALUES}
     page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
@@ -94,14 +95,15 @@ def group_specs(kinds: list[str], block_size: int, window: int, mamba_mode: str 
                 if kind == "mamba2" else {}
             spec = MambaSpec(block_size=MAX_MODEL_LEN if mamba_mode == "none" else block_size, shapes=STATE_SHAPES,
                              dtypes=(DTYPE, DTYPE), page_size_padded=page_bytes, mamba_cache_mode=mamba_mode,
+                             num_speculative_blocks=spec_blocks,
                              **checkpoints)
         groups.append(KVCacheGroupSpec(names, spec))
     return groups
 
 
 def cache_config(kinds: list[str], *, block_size: int = 16, window: int = 32, num_blocks: int = 64,
-                 mamba_mode: str = "none") -> KVCacheConfig:
-    groups = group_specs(kinds, block_size, window, mamba_mode)
+                 mamba_mode: str = "none", spec_blocks: int = 0) -> KVCacheConfig:
+    groups = group_specs(kinds, block_size, window, mamba_mode, spec_blocks)
     page_bytes = HEADS * block_size * 2 * HEAD_SIZE * DTYPE.itemsize
     # One tensor per group, each from byte 0 of the one buffer: the groups overlay each other.
     tensors = [KVCacheTensor(size=2 * num_blocks * page_bytes, layers=list(group.layer_names),

@@ -14,9 +14,12 @@ copied such chunks out (``SavePlan.finishing``). A request vLLM preempts saves n
 blocks are freed at once; when it resumes, the chunks it recomputes are saved then.
 
 A recurrent group's state is saved with a chunk only where the state after exactly the chunk's last
-token is in a block (:class:`~kvgroups.integrations.vllm.plans.SavePlan`); a step with draft tokens
-has no running state known to be any token's (it depends on what is accepted), so its state is
-never taken as the chunk's.
+token is in a block (:class:`~kvgroups.integrations.vllm.plans.SavePlan`): the running state of a
+step that ends at the chunk's end, or a state vLLM offers (``boundary_state_offloads``) in a block
+the request holds. A step with draft tokens never ends where a chunk it saves ends (its chunks end at
+its real token at the latest), so its running state, whose token depends on what is accepted, is
+never taken; nor is a finished request's (vLLM may have released its block). A chunk whose state
+is in no block (accepted drafts stepped past its end) is saved without it: no hit ends there.
 """
 
 from __future__ import annotations
@@ -65,9 +68,7 @@ class SavePlanner:
         request = state.request
         start = int(request.num_computed_tokens)
         final = final_tokens(request, num_scheduled, num_drafts, save_decode=self.save_decode)
-        # A step with drafts leaves a running state whose token depends on what is accepted.
-        step_end = start + num_scheduled if not num_drafts else NO_RUNNING_STATE
-        return self._plan(state, start, final, step_end, block_ids, boundary_states, finishing=False)
+        return self._plan(state, start, final, start + num_scheduled, block_ids, boundary_states, finishing=False)
 
     def finished(self, state: RequestState, block_ids: BlockIdsOf) -> bool:
         """A request finished: whether chunks its last step made final are still to be saved (planned in the
