@@ -8,8 +8,8 @@ prefix cache off unless ``"prefix_caching": true``. With ``store_dir`` (a file s
 result lists the keys the store holds after it, its saves written. A phase with ``"reply_then":
 [[tokens], ...]`` instead of requests is a conversation's next turn: each request of the phase before
 it, followed by its reply and those tokens. Optional: ``"speculative_config"`` (vLLM's, such as
-``{"method": "ngram", "num_speculative_tokens": 3}``), ``"attention_backend"``
-(a vLLM backend name), ``"kv_events"`` (``{"endpoint": ..., "topic": ...}``: KV events published
+``{"method": "ngram", "num_speculative_tokens": 3}``), ``"prefix_cache_retention_interval"`` (vLLM's),
+``"attention_backend"`` (a vLLM backend name), ``"kv_events"`` (``{"endpoint": ..., "topic": ...}``: KV events published
 over ZMQ), ``"mamba_ssm_cache_dtype"``, ``"cpu_attention_kernels": "vec"``, which keeps vLLM's
 CPU attention on its vec kernels on CPUs with AMX too (an in-process engine only), so that a
 bfloat16 job runs the same kernels on every x86 CPU, and ``"mamba2_checkpoint_export": false``
@@ -85,6 +85,8 @@ def _engine(job: dict[str, Any], connector: dict[str, Any] | None) -> Any:
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **job["kv_events"])
     if "attention_backend" in job:
         extra["attention_config"] = {"backend": job["attention_backend"]}
+    if "prefix_cache_retention_interval" in job:  # null: vLLM's prefix cache keeps every recurrent state
+        extra["prefix_cache_retention_interval"] = job["prefix_cache_retention_interval"]
     if "speculative_config" in job:  # e.g. {"method": "ngram", "num_speculative_tokens": 3, ...}
         extra["speculative_config"] = job["speculative_config"]
     return LLM(model=job["model"], dtype=job.get("dtype", "float32"), block_size=job.get("block_size", 32),

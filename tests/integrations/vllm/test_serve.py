@@ -52,6 +52,12 @@ def serve_command(model: Path, port: int, store: str) -> list[str]:
             "--max-num-seqs", "4", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(connector)]
 
 
+def speculating_serve_command(model: Path, port: int, store: str) -> list[str]:
+    """The server above with ngram speculative decoding (three draft tokens a step)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    return [*serve_command(model, port, store), "--speculative-config", json.dumps(ngram)]
+
+
 def hybrid_serve_command(model: Path, port: int, store: str) -> list[str]:
     """A hybrid as users serve it: vLLM's defaults (prefix caching on, so mamba "align" mode; vLLM's block
     size, 384 for this model; the chunk size following it), bf16 with float32 states."""
@@ -131,7 +137,7 @@ def served(model: Path, store: str, log: Path,
         _stop(server)
 
 
-def complete(base: str, tokens: list[int], **options: str) -> dict[str, Any]:
+def complete(base: str, tokens: list[int], **options: Any) -> dict[str, Any]:
     body = json.dumps({"model": MODEL_NAME, "prompt": tokens, "max_tokens": 8, "temperature": 0, **options}).encode()
     request = urllib.request.Request(f"{base}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -266,3 +272,27 @@ def test_two_servers_share_a_hybrids_states_under_vllms_defaults(kind: str, tmp_
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == every_full_chunk
     assert value(lines, "vllm:kvgroups_loaded_tokens_total") == every_full_chunk
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_a_served_conversation_loads_the_reply_under_speculative_decoding(tmp_path: Path, gemma3_dir: Path) -> None:
+    """A conversation through the completions API with ngram speculative decoding: a 300-token prompt and
+    a 40-token reply crossing 320; the next turn (prompt, reply, a message) loads 320 tokens, the reply's
+    chunk included, and answers as the same turn recomputed (the store neither read nor written for it)."""
+    first = _tokens(5, 300)
+    store_dir = tmp_path / "kv"
+    with served(gemma3_dir, f"file://{store_dir}", tmp_path / "serve.log", speculating_serve_command) as base:
+        answer = complete(base, first, max_tokens=40, return_token_ids=True)
+        reply = answer["choices"][0]["token_ids"]
+        assert len(reply) == 40
+        wait_for_entries(store_dir, 5 * 2)  # 4 prompt chunks and the reply's, an entry per group
+        second = [*first, *reply, *_tokens(6, 30)]
+        recomputed = complete(base, second, return_token_ids=True,
+                              kv_transfer_params={"kvgroups": {"load": False, "save": False}})
+        assert recomputed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        reused = complete(base, second, return_token_ids=True)
+        assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * CHUNK
+        assert reused["choices"][0]["token_ids"] == recomputed["choices"][0]["token_ids"]
+        lines = kvgroups_lines(base)
+    assert value(lines, "vllm:kvgroups_decode_saves_total") == 1
+    assert value(lines, "vllm:kvgroups_decode_chunk_loads_total") == 1
+    assert value(lines, "vllm:kvgroups_loaded_tokens_total") == 5 * CHUNK
