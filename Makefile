@@ -144,7 +144,8 @@ test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/python -c "import transformers as t; \
 		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/pytest -n 2 --durations=4 \
-		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py
+		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py \
+		tests/integrations/transformers/test_reply_saves.py
 
 # The same suites on the newest releases pip resolves today (no lock), in environments of their own: how a new
 # release is found before a user finds it. It prints the versions it got, and any vLLM newer than the extra admits.

@@ -9,6 +9,7 @@ restored cache exactly (to float noise).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,17 +17,19 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteriaList
 
 from kvgroups.datapath.kernels import warm_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.transformers.cache_binding import CacheBinding
+from kvgroups.integrations.transformers.reply_saves import ReplySaves
 from kvgroups.integrations.transformers.restore_check import (
     RestoreCheck,
     check_enabled,
     checked,
     continue_forward,
     continue_generate,
+    feeds_last_only,
     needs_check,
 )
 from kvgroups.integrations.transformers.support import check_supported, model_identity
@@ -36,6 +39,7 @@ from kvgroups.store.chunks.chunk_store import DEFAULT_MAX_PENDING_BYTES
 from kvgroups.store.entries.keys import token_array
 from kvgroups.store.metrics.counters import StoreMetrics
 
+logger = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]  # (tokens done, tokens in all)
 
 
@@ -48,6 +52,19 @@ class PrefillResult:
     reused_tokens: int
     computed_tokens: int
     seconds: float
+
+
+# generate()'s arguments that turn on assisted decoding (transformers' speculative decoding).
+ASSISTED_ARGUMENTS = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit")
+
+
+def _assisted(model: Any, kwargs: dict[str, Any]) -> str:
+    """The assisted-decoding argument ``generate`` would run with (from its arguments, the generation config
+    passed, or the model's), or ""."""
+    configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
+    return next((name for name in ASSISTED_ARGUMENTS
+                 if kwargs.get(name) is not None or any(getattr(config, name, None) is not None for config in configs)),
+                "")
 
 
 def _prompt(input_ids: Any) -> torch.Tensor:
@@ -107,6 +124,7 @@ class PrefixCache:
         self.last_prefill: PrefillResult | None = None
         # The restore check, once run (None: not yet, or not needed on a verified version).
         self.restore_check: RestoreCheck | None = None
+        self.reply_chunks_saved = 0  # chunks of generated tokens saved by generate()
 
     # --- the public calls -----------------------------------------------------------------
     def prefill(self, input_ids: Any, *, progress: Progress | None = None) -> PrefillResult:
@@ -167,20 +185,35 @@ class PrefixCache:
                                           seconds=time.perf_counter() - begin)
         return self.last_prefill
 
-    def generate(self, input_ids: Any, max_new_tokens: int = 32, **kwargs: Any) -> torch.Tensor:
+    def generate(self, input_ids: Any, max_new_tokens: int = 32, *, save_reply: bool = True,
+                 **kwargs: Any) -> torch.Tensor:
         """``model.generate`` after a reusing prefill of all but the last prompt token; greedy by default.
 
+        ``save_reply``: save the full chunks the reply fills as they are generated (a conversation's next
+        turn, the prompt, the reply and a new message, then loads them); ``reply_chunks_saved`` counts them.
         Returns what ``model.generate`` returns: the prompt followed by the new tokens.
         """
         ids = _prompt(input_ids).to(self.device)
         progress = kwargs.pop("progress", None)
         kwargs.setdefault("do_sample", False)
-        if len(ids) < 2:
+        assisted = _assisted(self.model, kwargs)
+        if assisted:
+            # transformers' assisted decoding continuing a cache it is handed answers otherwise than without one
+            # (5.25: prompt lookup's first token already differs): no reuse, and the answer stays transformers'.
+            logger.warning("PrefixCache.generate: %s (assisted decoding) is run without prefix reuse: transformers' "
+                           "assisted decoding does not continue a given cache as it computes one", assisted)
+        if len(ids) < 2 or assisted:
             return self.model.generate(ids[None], max_new_tokens=max_new_tokens, **kwargs)  # type: ignore[no-any-return]
         # generate() in transformers 5 takes the cache as ``cache``.
         result = self.prefill(ids[:-1], progress=progress)
+        if save_reply:
+            saves = ReplySaves(self.binding, self.chunk_store, result.cache, ids,
+                               fed_last_only=feeds_last_only(result.cache, self.binding.all_recurrent))
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or ()), saves])
         output, fed_last_only = continue_generate(self.model, ids, result.cache, self.binding.all_recurrent,
                                                   max_new_tokens=max_new_tokens, **kwargs)
+        if save_reply:
+            self.reply_chunks_saved += saves.saved
         if fed_last_only:  # the prompt goes back in front
             return torch.cat([ids[None, :-1], output], dim=1)
         return output  # type: ignore[no-any-return]

@@ -114,12 +114,17 @@ def says_its_length(cache: Any) -> bool:
     return True
 
 
+def feeds_last_only(cache: Any, all_recurrent: bool) -> bool:
+    """Whether ``generate`` continuing ``cache`` is fed only the prompt's last token (its sequences then
+    start there): where it would feed the whole prompt on top of the states."""
+    return all_recurrent and not says_its_length(cache)
+
+
 def continue_generate(model: Any, ids: torch.Tensor, cache: Any, all_recurrent: bool,
                       **kwargs: Any) -> tuple[Any, bool]:
     """``model.generate`` from ``cache`` holding ``ids[:-1]``, as PrefixCache.generate calls it; and whether
-    only the last token was fed (its sequences then start there)."""
-    if all_recurrent and not says_its_length(cache):
-        # generate would feed the whole prompt on top of the state: hand it only the token not cached.
+    only the last token was fed (:func:`feeds_last_only`)."""
+    if feeds_last_only(cache, all_recurrent):
         return model.generate(ids[None, -1:], cache=cache, **kwargs), True
     return model.generate(ids[None], cache=cache, **kwargs), False
 
