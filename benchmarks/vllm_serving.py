@@ -173,14 +173,15 @@ def conversation(engine: Any, sampling: Any, job: dict[str, Any], session: dict[
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": sum(cached)}
 
 
-def spawn(job: dict[str, Any], directory: Path, name: str) -> dict[str, Any]:
+def spawn(job: dict[str, Any], directory: Path, name: str, script: str = __file__) -> dict[str, Any]:
+    """Run ``script --engine JOB`` (its engine_run) in a fresh process: what it wrote, or {"error": why}."""
     job = {**job, "out": str(directory / f"{name}.json")}
     path = directory / f"{name}-job.json"
     path.write_text(json.dumps(job))
     source = str(Path(__file__).resolve().parents[1] / "src")
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
                    "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run([sys.executable, __file__, "--engine", str(path)], env=environment,
+    completed = subprocess.run([sys.executable, script, "--engine", str(path)], env=environment,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     if completed.returncode or not Path(job["out"]).exists():
         lines = [line for line in completed.stderr.splitlines() if line.strip()] or ["no output"]

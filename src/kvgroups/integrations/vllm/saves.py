@@ -132,9 +132,10 @@ class SavePlanner:
             return
         if not self.counts.stateless_saves:
             logger.warning("KVGroupsConnector: request %s saved chunks %s without a recurrent state at any of their "
-                           "ends (vLLM ended its step at token %d and kept no state on a chunk boundary): none of "
-                           "them can end a hit. Counted in kvgroups_stateless_saves_total", plan.request_id,
-                           list(plan.chunks), plan.step_end)
+                           "ends (no block held the state after a chunk's last token: vLLM ended its step at token "
+                           "%d, or accepted draft tokens stepped past the chunk's end): none of them can end a hit. "
+                           "Counted in kvgroups_stateless_saves_total", plan.request_id, list(plan.chunks),
+                           plan.step_end)
         self.counts.stateless_saves += 1
 
     def forget(self, request_id: str) -> None:
