@@ -203,6 +203,8 @@ bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.install
 	$(VLLM034_VENV)/bin/python benchmarks/early_loads.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py
 	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32
+	$(VLLM_BIN)/python benchmarks/conversations.py --reply-tokens 512 1024
+	$(VLLM_BIN)/python benchmarks/conversations.py --model qwen3-next-like --reply-tokens 512 1024
 	$(VLLM_BIN)/python benchmarks/pd_serving.py
 	$(VLLM_BIN)/python benchmarks/pd_serving.py --model qwen3-next-like
 	$(SGLANG_VENV)/bin/python benchmarks/sglang_storage.py
