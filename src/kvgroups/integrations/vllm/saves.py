@@ -70,17 +70,18 @@ class SavePlanner:
         final = final_tokens(request, num_scheduled, num_drafts, save_decode=self.save_decode)
         return self._plan(state, start, final, start + num_scheduled, block_ids, boundary_states, finishing=False)
 
-    def finished(self, state: RequestState, block_ids: BlockIdsOf) -> bool:
-        """A request finished: whether chunks its last step made final are still to be saved (planned in the
-        next step's plans; vLLM must keep its blocks until the worker reports them copied). Drafts accepted
-        in its last step completed them, so no block holds a recurrent state at their ends: saved without."""
+    def finished(self, state: RequestState, block_ids: BlockIdsOf) -> SavePlan | None:
+        """A request finished: the plan of chunks its last step made final that are still to be saved (in the
+        next step's plans; vLLM must keep its blocks until the worker reports them copied), else None. Drafts
+        accepted in its last step completed them, so no block holds a recurrent state at their ends: saved
+        without."""
         request = state.request
         final = min(int(request.num_computed_tokens),
                     len(request.all_token_ids) if self.save_decode else int(request.num_prompt_tokens))
         plan = self._plan(state, final, final, NO_RUNNING_STATE, block_ids, (), finishing=True)
         if plan is not None:
             self._finishing[request.request_id] = plan
-        return plan is not None
+        return plan
 
     def take_finishing(self) -> list[SavePlan]:
         plans, self._finishing = list(self._finishing.values()), {}

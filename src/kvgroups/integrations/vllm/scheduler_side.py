@@ -299,7 +299,10 @@ class SchedulerSide:
         self.lookups.forget(request.request_id)
         if self.events is not None:
             self.events.forget(request.request_id)
-        delay_free = state is not None and self.saves.finished(state, lambda: self._block_ids(request.request_id))
+        last = self.saves.finished(state, functools.partial(self._block_ids, request.request_id)) if state else None
+        if last is not None and self.events is not None:
+            self.events.saving(request, last)
+        delay_free = last is not None
         if not wants_handover(request):
             return delay_free, None
         self.counts.handovers_sent += 1
