@@ -85,7 +85,7 @@ class ConnectorSettings:
         in_process = [url for url in options.stores if url.startswith("memory:")]
         if in_process:
             problems.append(f"'store' {in_process} lives in one process, but vLLM's scheduler and workers run "
-                            f"in different processes: use file:// or redis:// (valkey://)")
+                            f"in different processes: use file://, redis:// (a Valkey or Redis server) or redis-cluster://")
         chunk_size = extra.get("chunk_size", FOLLOW_BLOCKS)
         if "chunk_size" in extra and not is_int_at_least(chunk_size, 1):
             problems.append(f"'chunk_size' must be an int >= 1, got {chunk_size!r}")
