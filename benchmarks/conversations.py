@@ -166,6 +166,9 @@ def main() -> None:
     ratios = [f"{statistics.median(on[column] / off[column] for on, off in zip(*runs.values(), strict=True)):.3g}"
               if all(run[column] for run in runs[VARIANTS[1]]) else "-" for column in columns]
     print("| on / off (median of paired ratios) | " + " | ".join(ratios) + " |")
+    print("\npaired ratios on / off, run by run: " + "; ".join(
+        ", ".join(f"{column} {on[column] / off[column]:.3g}" for column in columns if off[column])
+        for on, off in zip(*runs.values(), strict=True)))
 
 
 if __name__ == "__main__":
