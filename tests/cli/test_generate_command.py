@@ -52,14 +52,15 @@ def test_generate_reuses_a_stored_prefix_and_prints_the_plain_text(tmp_path: Pat
     assert second.returncode == 0, second.stderr
     assert "reused 40 tokens, computed 3" in second.stderr
     # --stats: the store's numbers on stderr. The prefill is of 42 tokens (the last is generate's): 5 full
-    # chunks looked up (the last token is always computed), all 5 found and loaded, no new chunk saved.
+    # chunks looked up (the last token is always computed), all 5 found and loaded; the reply filled chunk 5
+    # (tokens 40-47: the prompt's last 3, then 5 generated), saved while generating.
     stats = dict(line.strip().split(": ", 1) for line in second.stderr.splitlines()[1:] if line.startswith("  "))
     assert "store stats:" in second.stderr
     assert {name: stats[name] for name in ("tier", "lookups", "query_tokens", "hit_tokens", "hit_rate", "loads",
                                            "loaded_tokens", "saved_chunks", "dropped_saves", "failed_reads",
                                            "corrupt_entries", "hit_tokens_by_tier")} == {
         "tier": "file", "lookups": "1", "query_tokens": "40", "hit_tokens": "40", "hit_rate": "1.0", "loads": "1",
-        "loaded_tokens": "40", "saved_chunks": "0", "dropped_saves": "0", "failed_reads": "0", "corrupt_entries": "0",
+        "loaded_tokens": "40", "saved_chunks": "1", "dropped_saves": "0", "failed_reads": "0", "corrupt_entries": "0",
         "hit_tokens_by_tier": '{"file": 40}'}
     assert json.loads(stats["tiers"]) == {"file": {"gets": 5, "hits": 5, "promotions": 0, "errors": {}}}
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])  # type: ignore[operator]
