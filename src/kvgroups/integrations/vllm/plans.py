@@ -63,7 +63,7 @@ class LoadPlan:
         return blocks
 
 
-# A SavePlan's step_end where no running state is known to be any token's (a step with draft tokens).
+# A SavePlan's step_end where no running state may be read: a finished request's (vLLM may have released its block).
 NO_RUNNING_STATE = -1
 
 
@@ -77,7 +77,7 @@ class SavePlan:
     boundary (``boundary_states``: vLLM's ``boundary_state_offloads`` in ``mamba_cache_mode``
     "align", such as a state a forward exported inside its step), or the block of this step's
     running state where the step ends exactly at the chunk's end (``step_end``; :data:`NO_RUNNING_STATE`
-    where the step computed draft tokens). ``finishing``: the request finished; the worker reports it
+    for a finished request's last saves). ``finishing``: the request finished; the worker reports it
     (``finished_sending``) once these copies are done, and vLLM frees its blocks then.
     """
 

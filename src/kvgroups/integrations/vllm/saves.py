@@ -76,8 +76,7 @@ class SavePlanner:
         accepted in its last step completed them, so no block holds a recurrent state at their ends: saved
         without."""
         request = state.request
-        final = min(int(request.num_computed_tokens),
-                    len(request.all_token_ids) if self.save_decode else int(request.num_prompt_tokens))
+        final = final_tokens(request, 0, 0, save_decode=self.save_decode)  # its computed tokens, as far as known
         plan = self._plan(state, final, final, NO_RUNNING_STATE, block_ids, (), finishing=True)
         if plan is not None:
             self._finishing[request.request_id] = plan
