@@ -61,14 +61,14 @@ class RoleServer(Server):
         super().__init__(name, model, [store], directory, kv_bytes=256 << 20, cpus=cpus)
         self.role, self.settings = role, settings
 
-    def command(self) -> list[str]:
+    def command(self, port: int) -> list[str]:
         extra: dict[str, Any] = {"store": self.store[0]}
         if self.settings["chunk"]:
             extra["chunk_size"] = self.settings["chunk"]
         connector = {"kv_connector": "KVGroupsConnector", "kv_connector_module_path": "kvgroups.integrations.vllm",
                      "kv_role": self.role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                 "--skip-tokenizer-init", "--max-model-len", "4096", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "4096",
                 "--kv-cache-memory-bytes", str(self.kv_bytes), *self.settings["options"],

@@ -28,8 +28,8 @@ a server (sampled as it runs: a restarted server's counters start again), and mo
 the run. A broken invariant fails the run (exit 1).
 
 Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
-minutes, every fault three times); ``--quick`` runs every fault once in about 6 minutes (what
-``make test`` runs).
+minutes, every fault three times); ``--quick`` runs every fault once, each as soon as the last one's hits are back,
+in about 3 minutes (what ``make test`` runs).
 """
 
 from __future__ import annotations
@@ -58,17 +58,21 @@ sys.path.insert(0, str(ROOT / "src"))
 from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
 from benchmarks.soak_report import (  # noqa: E402
     CONNECTOR_COUNTERS,
+    RECOVERY_REQUESTS,
     RECOVERY_WINDOW,
     TIE_LOGPROB,
     Outcome,
     SoakReport,
     counter,
+    hits_back_after,
+    steady_share_of,
 )
-from tests.support.servers import free_port, running_cluster  # noqa: E402
+from tests.support.ports import serve_on_free_port  # noqa: E402
+from tests.support.servers import running_cluster  # noqa: E402
 
 CHUNK = 64
 RESTART_NICENESS = -10
-TAIL_SECONDS = 40.0  # the run goes on at least this long after the last fault ends
+TAIL_SECONDS = 40.0  # the run goes on at least this long after the last fault's hits are back (--quick: 15)
 TIER_MIB, TIER_BUDGET_MIB = 96, 64  # each file tier's tmpfs, and the store's budget in it
 CLUSTER_MAXMEMORY = 256 << 20
 MODELS = {"llama": "llama", "hybrid": "gemma3"}
@@ -84,19 +88,22 @@ class Server:
                  cpus: list[int]) -> None:
         self.name, self.model, self.store, self.directory = name, model, store, directory
         self.kv_bytes, self.cpus = kv_bytes, cpus
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # each start's own
         self.process: subprocess.Popen[bytes] | None = None
         self.incarnation = 0
         self.up = threading.Event()
         self.started_at = 0.0
 
-    def command(self) -> list[str]:
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self, port: int) -> list[str]:
         connector = {"kv_connector": "KVGroupsConnector", "kv_connector_module_path": "kvgroups.integrations.vllm",
                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                      "kv_connector_extra_config": {"store": self.store, "chunk_size": CHUNK}}
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--max-model-len", "2048",
                 "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--enable-prompt-tokens-details",
                 "--kv-cache-memory-bytes", str(self.kv_bytes), "--kv-transfer-config", json.dumps(connector)]
@@ -110,28 +117,33 @@ class Server:
         environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, self.cpus)),
                            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
         self.incarnation += 1
-        log = open(self.directory / f"{self.name}-{self.incarnation}.log", "wb")  # noqa: SIM115 - the server's
         # Started again beside the other server's busy engine on a small machine, a server gets a few per cent
         # of a CPU and takes many minutes to start: it starts ahead of the other (as on a machine of its own),
         # then serves at the same priority.
         ahead = ["nice", "-n", str(RESTART_NICENESS)] if self.incarnation > 1 else []
-        self.process = subprocess.Popen([*ahead, *self.command()], cwd=ROOT, env=environment, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        if ahead:
-            self._autogroup_niceness(RESTART_NICENESS)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name}'s vllm serve exited {self.process.returncode}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.base}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    os.setpriority(os.PRIO_PGRP, self.process.pid, 0)  # every thread of every process in its group
-                    self._autogroup_niceness(0)
-                    self.started_at = time.monotonic()
-                    self.up.set()
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name}'s vllm serve did not start")
+
+        def started(process: subprocess.Popen[bytes]) -> None:
+            self.process = process
+            if ahead:
+                self._autogroup_niceness(RESTART_NICENESS)
+
+        # A port of its own each start: the one it had may have been taken while it was down.
+        process, self.port = serve_on_free_port(
+            lambda port: [*ahead, *self.command(port)], self.directory / f"{self.name}-{self.incarnation}.log",
+            ready=self._healthy, seconds=600, what=f"{self.name}'s vllm serve", started=started, cwd=ROOT,
+            env=environment)
+        self.process = process
+        os.setpriority(os.PRIO_PGRP, process.pid, 0)  # every thread of every process in its group
+        self._autogroup_niceness(0)
+        self.started_at = time.monotonic()
+        self.up.set()
+
+    def _healthy(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:
+            return False
 
     def _autogroup_niceness(self, niceness: int) -> None:
         """Where the kernel groups each session's threads (sched_autogroup), the group's niceness is what
@@ -272,7 +284,8 @@ class Soak:
 
     # --- sampling ----------------------------------------------------------------------------------
     def sampler(self, servers: dict[str, Server], cluster: Any, tiers: dict[str, Path]) -> None:
-        while not self.stopping.wait(5.0):
+        # Often enough that a quick run's server killed mid-run has FLAT_SAMPLES of its first start.
+        while not self.stopping.wait(2.0 if self.arguments.quick else 5.0):
             try:
                 self._sample(servers, cluster, tiers)
             except Exception as error:  # a sample lost is reported, never the end of sampling
@@ -297,14 +310,16 @@ class Soak:
             self.samples.setdefault("cluster", []).append({"time": time.monotonic(), "used": max(used)})
 
     # --- the run -----------------------------------------------------------------------------------
-    def timing(self) -> tuple[float, float, float]:
-        """Seconds of warm-up before the first fault, each fault's length, and the least gap after each."""
-        return (30.0, 8.0, 12.0) if self.arguments.quick else (180.0, 45.0, 75.0)
+    def timing(self) -> tuple[float, float, float, float]:
+        """Seconds of warm-up before the first fault, each fault's length, the least gap after each, and the tail
+        after the last. Quick: each fault as long as a fault needs to hold (a master stopped past the store's 2 s
+        timeout, a failover), the next one as soon as the last one's hits are back (``_await_hits_back``)."""
+        return (15.0, 4.0, 4.0, 15.0) if self.arguments.quick else (180.0, 45.0, 75.0, TAIL_SECONDS)
 
     def schedule(self, faults: list[Fault]) -> list[tuple[float, float, Fault]]:
         """(start, end, fault) in seconds from the start: every fault once per cycle, after a warm-up."""
         quick = self.arguments.quick
-        warm, length, gap = self.timing()
+        warm, length, gap, _ = self.timing()
         total = self.arguments.minutes * 60
         plan: list[tuple[float, float, Fault]] = []
         at = warm
@@ -364,14 +379,13 @@ class Soak:
         for thread in (*clients, sampler):
             thread.start()
         try:
-            undone, gap = 0.0, self.timing()[2]
+            undone, (_, _, gap, tail) = 0.0, self.timing()
             for planned_start, planned_end, fault in plan:
                 late = 0.0
                 if self.faults_run:
-                    # A fault whose undoing ran long (a master restarted under CI's load) pushes the rest of the
-                    # plan back: hits' return after it is measured before the next fault begins.
-                    late = max(0.0, undone + gap - planned_start,
-                               self._await_answers_after(undone) - planned_start)
+                    # A fault whose undoing ran long (a master restarted under CI's load), or whose hits come back
+                    # late, pushes the rest of the plan back: hits' return is measured before the next fault.
+                    late = max(0.0, undone + gap - planned_start, self._await_hits_back(undone) - planned_start)
                 start, end = planned_start + late, planned_end + late
                 self._sleep_until(start)
                 injected = time.monotonic() - self.start
@@ -386,7 +400,7 @@ class Soak:
                                             "end": undone})
                 print(f"[{undone:7.1f} s] {fault.name}: undone", flush=True)
             # The last fault's recovery is measured too, however long its undoing took (a server's start-up).
-            self._sleep_until(max(arguments.minutes * 60, self._await_answers_after(undone) + TAIL_SECONDS))
+            self._sleep_until(max(arguments.minutes * 60, self._await_hits_back(undone) + tail))
         except KeyboardInterrupt:
             # An hour's run stopped early still says what it saw, and fails: it is not the run asked for.
             self.interrupted_at = time.monotonic() - self.start
@@ -399,14 +413,20 @@ class Soak:
         metrics = {name: server.metrics() for name, server in servers.items() if server.up.is_set()}
         return self.report(metrics)
 
-    def _await_answers_after(self, at: float) -> float:
-        """Wait until RECOVERY_WINDOW answered requests were sent after ``at`` (seconds into the run), at most
-        ``--timeout`` seconds; return when that was, in seconds into the run."""
+    def _await_hits_back(self, at: float) -> float:
+        """Wait until the clients' hits are back after ``at`` (seconds into the run, a fault's end), as the report
+        tells it (``hits_back_after``), or until so many requests were answered since that the report can tell
+        they are not, at most ``--timeout`` seconds; return when that was, in seconds into the run."""
         deadline = time.monotonic() + self.timeout
+        first_fault = self.faults_run[0]["start"] if self.faults_run else float("inf")
         while not self.stopping.is_set() and time.monotonic() < deadline:
             with self.lock:
-                answered = sum(outcome.ok and outcome.started - self.start >= at for outcome in self.outcomes)
-            if answered >= RECOVERY_WINDOW:
+                outcomes = sorted(self.outcomes, key=lambda outcome: outcome.started)
+            after = [(outcome.started - self.start, outcome) for outcome in outcomes
+                     if outcome.ok and outcome.started - self.start >= at]
+            steady_share = steady_share_of(outcomes, self.start, first_fault)
+            if (hits_back_after(after, at, steady_share) is not None
+                    or len(after) >= RECOVERY_REQUESTS + RECOVERY_WINDOW):
                 break
             time.sleep(0.2)
         return time.monotonic() - self.start
@@ -427,11 +447,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=3, help="per server")
     parser.add_argument("--rounds", type=int, default=6, help="questions per conversation")
     parser.add_argument("--timeout", type=float, default=120, help="seconds a request may take")
-    parser.add_argument("--quick", action="store_true", help="every fault once, about 6 minutes with start-ups")
+    parser.add_argument("--quick", action="store_true", help="every fault once, about 3 minutes with start-ups")
     parser.add_argument("--json", default="soak.json")
     arguments = parser.parse_args()
     if arguments.quick:
-        arguments.minutes = min(arguments.minutes, 3.5)
+        arguments.minutes = min(arguments.minutes, 2.0)
         arguments.clients = min(arguments.clients, 2)
     if os.geteuid() != 0:
         raise SystemExit("the soak mounts tmpfs file tiers: run it as root")

@@ -32,6 +32,7 @@ CONNECTOR_COUNTERS = {"loaded": LOADED, "external hits": EXTERNAL_HITS,
                       "corrupt entries": "vllm:kvgroups_corrupt_entries_total",
                       "tier errors": "vllm:kvgroups_errors_total"}
 GROWTH_FLOOR = {"rss": 32 << 20, "threads": 4, "files": 16}  # growth within these is not a leak
+FLAT_SAMPLES = 12  # the fewest samples of a server's run whose quarters' medians are compared
 # The file store keeps each of its fan-out directories open once it has touched it: a cache that fills
 # (over minutes in the quick run), counted apart from the files that must stay flat, and bounded. A scan
 # of the store (its budget, its stats) lists one directory at a time through a descriptor of its own:
@@ -96,7 +97,7 @@ class SoakReport:
         first_fault = self.faults_run[0]["start"] if self.faults_run else float("inf")
         steady = [outcome for at, outcome in relative if outcome.ok and STEADY_AFTER_SECONDS <= at < first_fault]
         steady_latency = [outcome.seconds for outcome in steady] or [0.0]
-        steady_share = cached_share(steady)
+        steady_share = steady_share_of(outcomes, self.start, first_fault)
         rows = []
         for index, fault in enumerate(self.faults_run):
             until = self.faults_run[index + 1]["start"] if index + 1 < len(self.faults_run) else float("inf")
@@ -108,12 +109,7 @@ class SoakReport:
             down = [outcome for outcome in during + [o for _, o in after] if not outcome.ok and outcome.server_down]
             differs = [outcome for outcome in during if outcome.differs]
             latency = [outcome.seconds for outcome in during if outcome.ok] or [0.0]
-            # Back: the first RECOVERY_WINDOW requests in a row, starting among the first RECOVERY_REQUESTS after
-            # the fault ended, whose prompts came from caches at least 0.8 times as much as before the faults.
-            back = next((after[count + RECOVERY_WINDOW - 1][0] - fault["end"]
-                         for count in range(min(RECOVERY_REQUESTS, len(after) - RECOVERY_WINDOW + 1))
-                         if cached_share([o for _, o in after[count:count + RECOVERY_WINDOW]]) >= 0.8 * steady_share),
-                        None)
+            back = hits_back_after(after, fault["end"], steady_share)
             stored = self._store_hits(fault["start"], min(until, fault["end"] + 60.0))
             if errors:
                 problems.append(f"{fault['fault']}: {len(errors)} requests failed ({errors[0].error})")
@@ -235,7 +231,9 @@ class SoakReport:
             for sample in samples:
                 runs.setdefault(sample["incarnation"], []).append(sample)
             last = max(runs.values(), key=len)  # a server killed and started again: its longest run
-            if len(last) < 16:
+            if len(last) < FLAT_SAMPLES:
+                problems.append(f"{name}: {len(last)} samples of its longest run, too few to tell its resources "
+                                f"flat ({FLAT_SAMPLES} needed)")
                 continue
             quarter = len(last) // 4
             second, fourth = last[quarter:2 * quarter], last[3 * quarter:]
@@ -320,6 +318,24 @@ def by_fault(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "worst hits back after s": None if None in backs else max(backs),
             "store hit tokens": sum(row["store hit tokens"] for row in each)})
     return summary
+
+
+def steady_share_of(outcomes: list[Outcome], start: float, first_fault: float) -> float:
+    """The share of prompt tokens served from caches before the faults (from ``STEADY_AFTER_SECONDS`` on;
+    ``first_fault`` in seconds into the run)."""
+    return cached_share([outcome for outcome in outcomes
+                         if outcome.ok and STEADY_AFTER_SECONDS <= outcome.started - start < first_fault])
+
+
+def hits_back_after(after: list[tuple[float, Outcome]], end: float, steady_share: float) -> float | None:
+    """Seconds from ``end`` (a fault's) until hits were back, or None: the first ``RECOVERY_WINDOW`` requests in
+    a row, starting among the first ``RECOVERY_REQUESTS`` of ``after`` (answered requests sent since ``end``,
+    as (seconds into the run, outcome) in the order sent), whose prompts came from caches at least 0.8 times as
+    much as before the faults."""
+    return next((after[count + RECOVERY_WINDOW - 1][0] - end
+                 for count in range(min(RECOVERY_REQUESTS, len(after) - RECOVERY_WINDOW + 1))
+                 if cached_share([o for _, o in after[count:count + RECOVERY_WINDOW]]) >= 0.8 * steady_share),
+                None)
 
 
 def counter(found: dict[str, float], name: str) -> float:

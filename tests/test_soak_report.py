@@ -75,6 +75,8 @@ def test_a_clean_run_passes_and_says_when_hits_came_back(tmp_path: Path) -> None
     (lambda o, s: s["llama"][3].update(tier_bytes=2000), "llama's file tier held 2000 bytes, over its budget of 1000"),
     (lambda o, s: s["cluster"].append({"time": 2.0, "used": 200}),
      "a cluster master held 200 bytes, over its maxmemory 100"),
+    (lambda o, s: s["llama"].__delitem__(slice(11, None)),
+     "llama: 11 samples of its longest run, too few to tell its resources flat (12 needed)"),
 ])
 def test_each_broken_invariant_fails_the_run(tmp_path: Path, change: Any, problem: str) -> None:
     outcomes, samples = steady_run(tmp_path)

@@ -1,10 +1,11 @@
-"""Real Valkey/Redis servers for the tests: started on a free loopback port or a unix socket, stopped after."""
+"""Real Valkey/Redis servers and clusters for the tests and benchmarks: started on loopback ports outside the
+kernel's ephemeral range (``ports``), again on others where a port was taken anyway, or on a unix socket; a
+start that fails stops whatever it had started."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import CLUSTER_BUS_OFFSET, PortTakenError, says_port_taken, start_on_free_ports
+
 SERVERS = ("valkey-server", "redis-server")
+# A server answers in milliseconds on an idle machine; with vLLM engines on both of a 2-core machine's cores and
+# another suite's servers starting, seconds. The deadline is for a server that will never answer.
+START_SECONDS = 60.0
+# What Valkey and Redis log once they listen on every socket ("Ready to accept connections tcp", "The server is
+# now ready to accept connections at /path/server.sock"), lowercased.
+READY = "ready to accept connections"
 
 
 def installed_server() -> str | None:
@@ -32,12 +41,6 @@ def server_binary() -> str:
     if os.environ.get("KVGROUPS_SKIP_REDIS") == "1":
         pytest.skip("no valkey-server or redis-server (KVGROUPS_SKIP_REDIS=1)")
     raise RuntimeError("the Redis tier's tests need a real server: apt-get install redis-server (make test does)")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def certificates(directory: Path) -> dict[str, Path]:
@@ -72,22 +75,38 @@ class Server:
         self.settings = settings
         directory.mkdir(parents=True, exist_ok=True)
         self.log = directory / "server.log"
-        self.port = 0 if unix else port or free_port()
         self.socket = directory / "server.sock" if unix else None
         self.password = password
         self.tls = tls
-        listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(tls["server.crt"]),
+        self.port = 0
+        if unix:
+            self._start(0)
+        elif port is not None:  # a server started again where its clients (or its cluster) know it
+            self._start(port)
+        else:
+            start_on_free_ports(lambda ports: self._start(ports[0]), what="a Valkey/Redis server")
+
+    def _start(self, port: int) -> None:
+        """The server on ``port``, answering; on failure nothing is left running (PortTakenError where the
+        port was taken)."""
+        self.port = port
+        tls = self.tls
+        listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(tls["server.crt"]),
                   "--tls-key-file", str(tls["server.key"]), "--tls-ca-cert-file", str(tls["ca.crt"]),
-                  "--tls-auth-clients", "yes"] if tls else ["--port", str(self.port)]
+                  "--tls-auth-clients", "yes"] if tls else ["--port", str(port)]
         arguments = [server_binary(), *listen, "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(directory), "--daemonize", "no", *settings]
-        if password is not None:
-            arguments += ["--requirepass", password]
+                     "--appendonly", "no", "--dir", str(self.directory), "--daemonize", "no", *self.settings]
+        if self.password is not None:
+            arguments += ["--requirepass", self.password]
         if self.socket is not None:
             arguments += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(arguments, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
@@ -100,29 +119,25 @@ class Server:
         return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 10
+        """Until the server says it accepts connections: every listening socket bound (a cluster's bus too).
+        Not a connection to the port, which whoever took the port would accept as well."""
+        deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
+            said = self.log.read_text(errors="replace")
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited at start with code {self.process.returncode}: "
-                                   f"{self.log.read_text(errors='replace')[-2000:]}")
-            try:
-                if self.socket is not None:
-                    if self.socket.exists():
-                        with socket.socket(socket.AF_UNIX) as probe:
-                            probe.connect(str(self.socket))
-                            return
-                else:
-                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                        return
-            except OSError:
-                pass
+                failure = PortTakenError if says_port_taken(said) else RuntimeError
+                raise failure(f"the server on port {self.port} exited at start with code "
+                              f"{self.process.returncode}: {said[-2000:]}")
+            if READY in said.lower():
+                return
             time.sleep(0.02)
-        raise RuntimeError("the server did not start within 10 s")
+        raise RuntimeError(f"the server did not start within {START_SECONDS:.0f} s: "
+                           f"{self.log.read_text(errors='replace')[-2000:]}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
-            self.process.wait(timeout=10)
+        self.process.wait(timeout=30)
 
 
 @contextmanager
@@ -134,22 +149,6 @@ def running_server(directory: Path, **options: object) -> Iterator[Server]:
         server.stop()
 
 
-def cluster_ports(count: int) -> list[int]:
-    """``count`` free loopback ports below 55536 whose cluster bus ports (port + 10000) are free too."""
-    ports: list[int] = []
-    candidate = 20000 + (os.getpid() * 37) % 20000
-    while len(ports) < count:
-        candidate = 20000 + (candidate + 7) % 35000
-        try:
-            for port in (candidate, candidate + 10000):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        ports.append(candidate)
-    return ports
-
-
 class Cluster:
     """A Valkey/Redis Cluster on loopback: ``masters`` masters with ``replicas`` replicas each, slots
     spread by ``redis-cli --cluster create``, up once every node says ``cluster_state:ok`` and every
@@ -159,19 +158,31 @@ class Cluster:
                  settings: tuple[str, ...] = ()) -> None:
         self.directory = directory
         self.num_masters = masters
-        self.ports = cluster_ports(masters * (1 + replicas))
         self.nodes: dict[int, Server] = {}
-        for port in self.ports:
-            self.nodes[port] = Server(directory / str(port), port=port, settings=(
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
-                "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0", *settings))
+        self.ports: list[int] = []
+        start_on_free_ports(lambda ports: self._start_nodes(ports, settings), masters * (1 + replicas),
+                            bus_offset=CLUSTER_BUS_OFFSET, what="a cluster")
         try:
             subprocess.run([self.cli(), "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
                             "--cluster-replicas", str(replicas), "--cluster-yes"],
-                           check=True, capture_output=True, timeout=60)
-            self.wait_until_ok(masters, replicas)
+                           check=True, capture_output=True, timeout=120)
+            self.wait_until_ok(masters, replicas, timeout=120)
         except BaseException:
             self.stop()
+            raise
+
+    def _start_nodes(self, ports: list[int], settings: tuple[str, ...]) -> None:
+        """A node on each port (and its bus port, 10000 above); where one cannot start, none is left running."""
+        self.ports = ports
+        try:
+            for port in ports:
+                self.nodes[port] = Server(self.directory / str(port), port=port, settings=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
+                    "1000", "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
+                    *settings))
+        except BaseException:
+            self.stop()
+            self.nodes = {}
             raise
 
     @staticmethod
@@ -182,8 +193,12 @@ class Cluster:
         return found
 
     def ask(self, port: int, *command: str) -> str:
-        return subprocess.run([self.cli(), "-p", str(port), *command], capture_output=True, text=True,
-                              timeout=10, check=False).stdout
+        """A node's answer; "" from a node that does not answer within 10 s (stopped)."""
+        try:
+            return subprocess.run([self.cli(), "-p", str(port), *command], capture_output=True, text=True,
+                                  timeout=10, check=False).stdout
+        except subprocess.TimeoutExpired:
+            return ""
 
     def in_sync(self, port: int, timeout: float = 120.0) -> None:
         """Until master ``port``'s replica holds everything it wrote (``WAIT 1`` answers 1). A replica
@@ -196,14 +211,21 @@ class Cluster:
                 raise RuntimeError(f"the replica of {port} did not catch up within {timeout:.0f} s")
 
     def masters(self) -> list[int]:
-        """Ports of the masters that are up, as a live node sees the cluster."""
-        alive = next(port for port, node in self.nodes.items() if node.process.poll() is None)
-        found = []
-        for line in self.ask(alive, "cluster", "nodes").splitlines():
-            fields = line.split()
-            if len(fields) > 2 and "master" in fields[2] and "fail" not in fields[2]:
-                found.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
-        return sorted(found)
+        """Ports of the masters that are up, as the first live node that answers sees the cluster (a replica
+        loading its master's data answers LOADING to everything, a stopped one nothing: the next is asked)."""
+        for port, node in self.nodes.items():
+            if node.process.poll() is not None:
+                continue
+            answer = self.ask(port, "cluster", "nodes")
+            if "myself" not in answer:
+                continue
+            found = []
+            for line in answer.splitlines():
+                fields = line.split()
+                if len(fields) > 2 and "master" in fields[2] and "fail" not in fields[2]:
+                    found.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+            return sorted(found)
+        return []
 
     def wait_until_ok(self, masters: int, replicas: int = 1, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

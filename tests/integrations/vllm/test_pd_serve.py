@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import pytest
 
 from tests.integrations.vllm.test_serve import MODEL_NAME, kvgroups_lines, served, value, wait_until
 from tests.support.paths import ROOT
-from tests.support.servers import free_port
+from tests.support.ports import serve_on_free_port, stop_process_group
 
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
 WAIT_SECONDS = 3.0  # the decode server's wait where entries are gone
@@ -60,19 +59,19 @@ def complete(base: str, tokens: list[int], max_tokens: int = 8, **body: Any) -> 
 
 
 @contextmanager
-def routed(prefill: str, decode: str) -> Iterator[str]:
+def routed(prefill: str, decode: str, log: Path) -> Iterator[str]:
     """kvgroups' P/D router (kvgroups.integrations.vllm.pd_proxy) in a process of its own."""
-    port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "kvgroups.integrations.vllm.pd_proxy", "--prefill", prefill,
-                               "--decode", decode, "--port", str(port)],
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    base = f"http://127.0.0.1:{port}"
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "kvgroups.integrations.vllm.pd_proxy", "--prefill", prefill, "--decode", decode,
+                "--port", str(port)]
+
+    router, port = serve_on_free_port(command, log, ready=lambda port: _answers(f"http://127.0.0.1:{port}/v1/models"),
+                                      seconds=120, what="the P/D router",
+                                      env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:
-        wait_until(lambda: _answers(f"{base}/v1/models"), "the router answering")
-        yield base
+        yield f"http://127.0.0.1:{port}"
     finally:
-        router.terminate()
-        router.wait(timeout=30)
+        stop_process_group(router)
 
 
 def _answers(url: str) -> bool:
@@ -99,70 +98,78 @@ def stream(base: str, tokens: list[int], max_tokens: int = 8) -> str:
 @pytest.mark.parametrize(("kind", "lengths"), [("llama", (530, 700, 1000)), ("qwen3_next", (900, 1500))])
 def test_a_decode_server_loads_what_the_prefill_server_saved_and_answers_as_one_server(
         kind: str, lengths: tuple[int, ...], tmp_path: Path) -> None:
+    """A prefill and a decode server on one store (``hand_overs_land``); for the llama-like model then a decode
+    server waiting only WAIT_SECONDS, on the same prefill server and store
+    (``gone_entries_are_computed_within_the_wait``: one prefill server for both, a server start less)."""
     from tests.integrations.vllm.tiny_vllm_models import save_model
 
     model = save_model(kind, tmp_path / kind)
     directory = tmp_path / "kv"
     store = f"file://{directory}"
-    with served(model, store, tmp_path / "prefill.log", command("kv_producer", kind)) as prefill, \
-            served(model, store, tmp_path / "decode.log", command("kv_consumer", kind)) as decode:
-        loaded = 0
-        for seed, length in enumerate(lengths):
-            tokens = tokens_of(seed, length)
-            first = complete(prefill, tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))
-            params = first["kv_transfer_params"]
-            handed = params["kvgroups_handover"]["tokens"]
-            answer = complete(decode, tokens, kv_transfer_params=params)  # at once: saves may still be landing
-            assert handed > 0 and handed % 64 == 0 and handed <= length - 1, params
-            # vLLM reports a P/D request's cached tokens as the prefill server's own hits (its
-            # remote_prefill_cached_tokens), so the decode server's counters say what it loaded.
-            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            loaded += handed
-            wait_until(lambda loaded=loaded: value(kvgroups_lines(decode), "vllm:kvgroups_handover_tokens_total")
-                       == loaded,
-                       f"the decode server loading {handed} tokens of a {length}-token prompt")
-            # What one server computing the whole prompt answers (a producer never loads).
-            whole = complete(prefill, tokens)
-            assert answer["choices"][0]["text"] == whole["choices"][0]["text"]
-        # The same through kvgroups' own router, streamed: one request, as a client sends it.
-        tokens = tokens_of(len(lengths), lengths[0])
-        with routed(prefill, decode) as proxy:
-            streamed = stream(proxy, tokens)
-        loaded += (lengths[0] - 1) // 64 * 64 if kind == "llama" else 0
-        wait_until(lambda: value(kvgroups_lines(decode), "vllm:kvgroups_handovers_received_total") == len(lengths) + 1,
-                   "the routed request's hand-over")
-        assert streamed == complete(prefill, tokens)["choices"][0]["text"]
-        lines = kvgroups_lines(decode)
-        if kind != "llama":  # the hybrid's whole chunks follow vLLM's block size: some were handed over
-            before, loaded = loaded, int(value(lines, "vllm:kvgroups_handover_tokens_total"))
-            assert loaded > before
-        assert value(lines, "vllm:kvgroups_loaded_tokens_total") == loaded
-        assert value(lines, "vllm:kvgroups_handovers_received_total") == len(lengths) + 1
-        assert value(lines, "vllm:kvgroups_handover_tokens_total") == loaded
-        assert value(lines, "vllm:kvgroups_handover_waits_expired_total") == 0
-        assert value(kvgroups_lines(prefill), "vllm:kvgroups_handovers_sent_total") == len(lengths) + 1
+    with served(model, store, tmp_path / "prefill.log", command("kv_producer", kind)) as prefill:
+        with served(model, store, tmp_path / "decode.log", command("kv_consumer", kind)) as decode:
+            hand_overs_land(kind, lengths, prefill, decode, tmp_path)
+        if kind == "llama":
+            with served(model, store, tmp_path / "waiting.log", command("kv_consumer", kind, WAIT_SECONDS)) as decode:
+                gone_entries_are_computed_within_the_wait(prefill, decode, directory)
 
 
-def test_a_hand_over_whose_entries_are_gone_is_computed_within_the_wait(tmp_path: Path) -> None:
+def hand_overs_land(kind: str, lengths: tuple[int, ...], prefill: str, decode: str, tmp_path: Path) -> None:
+    """Each prompt to the prefill server, its hand-over to the decode server at once: the decode server loads
+    every chunk handed over and answers as one server computing the whole prompt; then one request through
+    kvgroups' router, streamed."""
+    loaded = 0
+    for seed, length in enumerate(lengths):
+        tokens = tokens_of(seed, length)
+        first = complete(prefill, tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))
+        params = first["kv_transfer_params"]
+        handed = params["kvgroups_handover"]["tokens"]
+        answer = complete(decode, tokens, kv_transfer_params=params)  # at once: saves may still be landing
+        assert handed > 0 and handed % 64 == 0 and handed <= length - 1, params
+        # vLLM reports a P/D request's cached tokens as the prefill server's own hits (its
+        # remote_prefill_cached_tokens), so the decode server's counters say what it loaded.
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        loaded += handed
+        wait_until(lambda loaded=loaded: value(kvgroups_lines(decode), "vllm:kvgroups_handover_tokens_total")
+                   == loaded,
+                   f"the decode server loading {handed} tokens of a {length}-token prompt")
+        # What one server computing the whole prompt answers (a producer never loads).
+        whole = complete(prefill, tokens)
+        assert answer["choices"][0]["text"] == whole["choices"][0]["text"]
+    # The same through kvgroups' own router, streamed: one request, as a client sends it.
+    tokens = tokens_of(len(lengths), lengths[0])
+    with routed(prefill, decode, tmp_path / "router.log") as proxy:
+        streamed = stream(proxy, tokens)
+    loaded += (lengths[0] - 1) // 64 * 64 if kind == "llama" else 0
+    wait_until(lambda: value(kvgroups_lines(decode), "vllm:kvgroups_handovers_received_total") == len(lengths) + 1,
+               "the routed request's hand-over")
+    assert streamed == complete(prefill, tokens)["choices"][0]["text"]
+    lines = kvgroups_lines(decode)
+    if kind != "llama":  # the hybrid's whole chunks follow vLLM's block size: some were handed over
+        before, loaded = loaded, int(value(lines, "vllm:kvgroups_handover_tokens_total"))
+        assert loaded > before
+    assert value(lines, "vllm:kvgroups_loaded_tokens_total") == loaded
+    assert value(lines, "vllm:kvgroups_handovers_received_total") == len(lengths) + 1
+    assert value(lines, "vllm:kvgroups_handover_tokens_total") == loaded
+    assert value(lines, "vllm:kvgroups_handover_waits_expired_total") == 0
+    assert value(kvgroups_lines(prefill), "vllm:kvgroups_handovers_sent_total") == len(lengths) + 1
+
+
+def gone_entries_are_computed_within_the_wait(prefill: str, decode: str, directory: Path) -> None:
+    """A hand-over whose entries are saved, then deleted before the decode server (waiting WAIT_SECONDS) reads
+    them: computed once its wait runs out, answering as the prefill server computing it all."""
     import time
 
-    from tests.integrations.vllm.tiny_vllm_models import save_model
-
-    model = save_model("llama", tmp_path / "llama")
-    directory = tmp_path / "kv"
-    store = f"file://{directory}"
     tokens = tokens_of(7, 800)
-    with served(model, store, tmp_path / "prefill.log", command("kv_producer", "llama")) as prefill, \
-            served(model, store, tmp_path / "decode.log", command("kv_consumer", "llama", WAIT_SECONDS)) as decode:
-        params = complete(prefill, tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))["kv_transfer_params"]
-        time.sleep(1)  # the saves landed...
-        for entry in [path for path in directory.rglob("*") if path.is_file() and path.parent != directory]:
-            entry.unlink()  # ...and are gone before the decode server reads them
-        started = time.monotonic()
-        answer = complete(decode, tokens, kv_transfer_params=params)
-        waited = time.monotonic() - started
-        whole = complete(prefill, tokens)
-        lines = kvgroups_lines(decode)
+    params = complete(prefill, tokens, max_tokens=1, kv_transfer_params=dict(PREFILL))["kv_transfer_params"]
+    time.sleep(1)  # the saves landed...
+    for entry in [path for path in directory.rglob("*") if path.is_file() and path.parent != directory]:
+        entry.unlink()  # ...and are gone before the decode server reads them
+    started = time.monotonic()
+    answer = complete(decode, tokens, kv_transfer_params=params)
+    waited = time.monotonic() - started
+    whole = complete(prefill, tokens)
+    lines = kvgroups_lines(decode)
     assert answer["choices"][0]["text"] == whole["choices"][0]["text"]
     assert WAIT_SECONDS <= waited < WAIT_SECONDS + 30
     assert value(lines, "vllm:kvgroups_handover_waits_expired_total") == 1

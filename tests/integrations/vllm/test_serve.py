@@ -11,12 +11,9 @@ same flags.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -29,7 +26,7 @@ import pytest
 
 from kvgroups.store import FileStore
 from tests.support.paths import ROOT
-from tests.support.servers import free_port
+from tests.support.ports import serve_on_free_port, stop_process_group
 
 CHUNK = 64
 MODEL_NAME = "tiny-gemma3"
@@ -70,71 +67,30 @@ def hybrid_serve_command(model: Path, port: int, store: str) -> list[str]:
             "--max-model-len", "2048", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(connector)]
 
 
-# A port free_port() found may be taken before the server binds it (another test's engine picking ports on
-# the other pytest worker): such a start is tried again on another port.
-PORT_TAKEN = "[Errno 98] Address already in use"
-STARTS = 3
-
-
-def _start(command: list[str], environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "w") as output:
-        return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    """SIGINT to the server's process group, then SIGKILL; a server that already exited is left be."""
+def _health(port: int) -> bool:
     try:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)
-    server.wait(timeout=30)
-
-
-def _healthy(command: Callable[[Path, int, str], list[str]], model: Path, store: str, log: Path,
-             environment: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
-    """A started server and its base URL once /health answers."""
-    for attempt in range(1, STARTS + 1):
-        port = free_port()
-        server = _start(command(model, port, store), environment, log)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while server.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return server, base
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                _stop(server)
-                raise AssertionError(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
-        server.wait(timeout=30)
-        text = log.read_text()
-        if PORT_TAKEN not in text or attempt == STARTS:
-            raise AssertionError(f"vllm serve exited with {server.returncode}:\n{text[-4000:]}")
-    raise AssertionError("unreachable")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 @contextmanager
 def served(model: Path, store: str, log: Path,
            command: Callable[[Path, int, str], list[str]] = serve_command) -> Iterator[str]:
-    """The server's base URL once /health answers; stopped (SIGINT, then killed) after."""
+    """The server's base URL once /health answers (on other ports where its own was taken); stopped (SIGINT,
+    then killed) after."""
     # This checkout's source first, whatever the environment has installed.
     # vLLM logs its stats line at debug level while the engine is idle, as it is between these requests.
     environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1",
                    "VLLM_LOGGING_LEVEL": "DEBUG",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    server, base = _healthy(command, model, store, log, environment)
+    server, port = serve_on_free_port(lambda port: command(model, port, store), log, ready=_health, seconds=300,
+                                      what="vllm serve", cwd=ROOT, env=environment)
     try:
-        yield base
+        yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(server)
+        stop_process_group(server)
 
 
 def complete(base: str, tokens: list[int], **options: Any) -> dict[str, Any]:
