@@ -36,10 +36,11 @@ def _prompt(seed: int, length: int) -> list[dict[str, Any]]:
 
 
 def _run(job: dict[str, Any], directory: Path, name: str) -> list[dict[str, Any]]:
+    import torch
     from tests.integrations.vllm.engine_runner import run_job
 
-    try:
-        return run_job(job, directory, name, multiprocess=False)
+    try:  # forked from the engine zygote on the CPU; CUDA does not survive a fork, each engine a fresh interpreter
+        return run_job(job, directory, name, multiprocess=False, forked=not torch.cuda.is_available())
     except RuntimeError as error:  # the row says the last line the engine wrote
         lines = [line for line in str(error).splitlines() if line.strip()]
         raise RuntimeError(lines[-1][-160:]) from None

@@ -1,6 +1,7 @@
-"""Run one vLLM engine in a fresh process, phase after phase, and write what each request produced.
+"""Run one vLLM engine in a process of its own, phase after phase, and write what each request produced.
 
-``python -m tests.integrations.vllm.engine_runner JOB.json`` where the job is ``{"model": dir,
+``run_job`` runs it in a process forked from the engine zygote (``engine_zygote``: vLLM imported already), or in
+``python -m tests.integrations.vllm.engine_runner JOB.json``, where the job is ``{"model": dir,
 "dtype": ..., "connector": extra_config or null, "phases": [{"requests": [{"prompt_token_ids":
 [...], "cache_salt": ...}], "before": {"stop_pid": pid}, "max_tokens": n, "kv_transfer_params": {...}
 (each optional)}], "out": path, "store_dir": dir (optional)}``. Greedy, with logprobs, vLLM's
@@ -27,29 +28,25 @@ Triton kernel rebinding scans every module and trips over llvmlite's function ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from tests.support.paths import ROOT
 
+JOB_SECONDS = 600
 
-def run_job(job: dict[str, Any], directory: Path, name: str, *, multiprocess: bool) -> list[dict[str, Any]]:
-    """Run ``job`` (its phases) in a fresh Python process: each phase's result. Raises RuntimeError
-    holding the end of the process's stderr when it fails."""
-    import subprocess
 
-    job = {**job, "out": str(directory / f"{name}.json")}
-    job_path = directory / f"{name}-job.json"
-    job_path.write_text(json.dumps(job))
-    environment = {
+def _environment() -> dict[str, str]:
+    return {
         # This checkout's source first, whatever kvgroups the environment has installed.
         **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         # Lets the runner ask the workers to finish their queued saves (a test-only RPC).
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
         # vLLM's sampler compiles its logprobs gather (a top-k and a gather: exact either way) with Dynamo
@@ -57,11 +54,96 @@ def run_job(job: dict[str, Any], directory: Path, name: str, *, multiprocess: bo
         # model itself runs eager (enforce_eager) in every job.
         "TORCHDYNAMO_DISABLE": "1",
     }
-    completed = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine_runner", str(job_path)],
-                               cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False)
-    if completed.returncode != 0:
-        raise RuntimeError(f"engine {name} exited {completed.returncode}:\n{completed.stderr[-4000:]}")
+
+
+def run_job(job: dict[str, Any], directory: Path, name: str, *, multiprocess: bool,
+            forked: bool = True) -> list[dict[str, Any]]:
+    """Run ``job`` (its phases) in a process of its own: each phase's result. The process is forked from the
+    engine zygote (``engine_zygote``: vLLM imported already), or with ``forked=False`` a fresh interpreter
+    (``python -m tests.integrations.vllm.engine_runner``; on a CUDA machine). Raises RuntimeError holding the end
+    of the process's output when it fails."""
+    import subprocess
+
+    job = {**job, "out": str(directory / f"{name}.json")}
+    job_path = directory / f"{name}-job.json"
+    job_path.write_text(json.dumps(job))
+    log = directory / f"{name}.log"
+    environment = {**_environment(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    if forked:
+        code = _zygote().run(job_path, environment, log, JOB_SECONDS)
+    else:
+        with open(log, "wb") as output:
+            code = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine_runner", str(job_path)],
+                                  cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT,
+                                  timeout=JOB_SECONDS, check=False).returncode
+    if code != 0:
+        raise RuntimeError(f"engine {name} exited {code}:\n{log.read_text(errors='replace')[-4000:]}")
     return list(json.loads(Path(job["out"]).read_text()))
+
+
+class _Zygote:
+    """The client of one engine zygote (a process of its own, started on first use): one job at a time."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        environment = _environment()
+        environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.integrations.vllm.engine_zygote"], cwd=ROOT,
+                                        env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
+        self._unread = b""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def run(self, job: Path, environment: dict[str, str], log: Path, seconds: float) -> int:
+        """The job's exit code; a job past ``seconds`` is killed (its process group) and raises TimeoutExpired."""
+        import subprocess
+
+        assert self.process.stdin is not None
+        with self.lock:
+            request = {"job": str(job), "environment": environment, "log": str(log)}
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+            deadline = time.monotonic() + seconds
+            pid = int(self._answer(deadline)["pid"])
+            try:
+                return int(self._answer(deadline)["exit"])
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._answer(time.monotonic() + 60)
+                raise
+
+    def _answer(self, deadline: float) -> dict[str, Any]:
+        """The zygote's next line, read from its pipe unbuffered (a buffer would hide a line from select)."""
+        import select
+        import subprocess
+
+        assert self.process.stdout is not None
+        descriptor = self.process.stdout.fileno()
+        while b"\n" not in self._unread:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([descriptor], [], [], remaining)[0]:
+                raise subprocess.TimeoutExpired("an engine job", JOB_SECONDS)
+            data = os.read(descriptor, 65536)
+            if not data:
+                raise RuntimeError(f"the engine zygote exited with {self.process.wait()}")
+            self._unread += data
+        line, self._unread = self._unread.split(b"\n", 1)
+        return dict(json.loads(line))
+
+
+_zygotes: list[_Zygote] = []
+_zygote_lock = threading.Lock()
+
+
+def _zygote() -> _Zygote:
+    with _zygote_lock:
+        if not _zygotes or not _zygotes[0].alive():
+            _zygotes[:] = [_Zygote()]
+        return _zygotes[0]
 
 
 def outputs(phase: dict[str, Any]) -> list[tuple[list[int], list[float]]]:

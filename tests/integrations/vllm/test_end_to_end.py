@@ -30,9 +30,11 @@ def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
     return [4 + (index * 37 + seed * 101 + 11) % 508 for index in range(length)]
 
 
-def run_engines(job: dict[str, Any], tmp_path: Path, name: str, *, multiprocess: bool) -> list[dict[str, Any]]:
-    """Run the job's phases in a fresh Python process; each phase's outputs (and the store's keys after it)."""
-    return run_job(job, tmp_path, name, multiprocess=multiprocess)
+def run_engines(job: dict[str, Any], tmp_path: Path, name: str, *, multiprocess: bool,
+                forked: bool = True) -> list[dict[str, Any]]:
+    """Run the job's phases in a process of its own (forked from the engine zygote, or with ``forked=False`` a
+    fresh interpreter); each phase's outputs (and the store's keys after it)."""
+    return run_job(job, tmp_path, name, multiprocess=multiprocess, forked=forked)
 
 
 def cached(phase: dict[str, Any]) -> list[int]:
@@ -75,7 +77,10 @@ def flip_a_stored_byte(url: str, key: str) -> None:
 def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp_path: Path) -> None:
     """In-process engines, the second loading synchronously (a one-group model): vLLM's block-level
     load errors. Asynchronous loads and their per-request failures are the gemma3 and qwen3-next
-    tests'; another connector salt never hitting is ``test_other_salts_never_hit`` (vLLM's scheduler)."""
+    tests'; another connector salt never hitting is ``test_other_salts_never_hit`` (vLLM's scheduler).
+
+    The engine without the connector runs in a fresh interpreter, the others forked from the engine zygote:
+    their equal tokens and logprobs also hold the zygote to changing nothing of what an engine computes."""
     model = str(save_model("llama", tmp_path / "llama"))
     store_dir = tmp_path / "kv"
     connector = {"store": f"file://{store_dir}", "chunk_size": CHUNK, "salt": "deployment-a"}
@@ -83,7 +88,7 @@ def test_llama_reuses_a_file_store_across_processes_and_refuses_what_it_must(tmp
     job = {"model": model, "store_dir": str(store_dir)}
     baseline = run_engines({**job, "connector": None, "phases": [
         {"requests": requests(x)}, {"requests": requests(y)}, {"requests": requests(z)},
-    ]}, tmp_path, "baseline", multiprocess=False)
+    ]}, tmp_path, "baseline", multiprocess=False, forked=False)
     expected = {"x": outputs(baseline[0]), "y": outputs(baseline[1]), "z": outputs(baseline[2])}
     first = run_engines({**job, "connector": connector, "phases": [
         {"requests": requests(x)},
