@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+# Where an environment's tests keep numba's compiled kernels: one folder per environment (its own numba), so that
+# environments neither recompile each other's kernels (a cache of another numba is discarded and rewritten) nor
+# race for one cache when their suites run at once; kept with the environment, for the next run.
+NUMBA_CACHE = NUMBA_CACHE_DIR=$(abspath $(1))/numba-cache
 
 # This repo's own environments install exact versions: locks/*.txt are pip constraints, one per environment,
 # of everything it installs (the package's extras keep ranges, for users). LOCKED= installs the newest releases
@@ -88,7 +92,7 @@ $$(VLLM$(1)_VENV)/.installed: pyproject.toml tests/integrations/vllm/cpu_require
 
 # The connector's tests against this line's real Scheduler and fake caches.
 test-vllm$(1): $$(VLLM$(1)_VENV)/.installed redis-server
-	$$(VLLM$(1)_VENV)/bin/pytest -n 2 --durations=4 $$(SCHEDULER_TESTS)
+	$$(call NUMBA_CACHE,$$(VLLM$(1)_VENV)) $$(VLLM$(1)_VENV)/bin/pytest -n 2 --durations=4 $$(SCHEDULER_TESTS)
 endef
 $(foreach line,$(SCHEDULER_VLLM),$(eval $(call scheduler_environment,$(line))))
 
@@ -108,10 +112,10 @@ $(SGLANG_VENV)/.installed: pyproject.toml tests/integrations/sglang/cpu_requirem
 	touch $@
 
 test-sglang: $(SGLANG_VENV)/.installed redis-server
-	$(SGLANG_VENV)/bin/pytest -n 2 --durations=4 tests/integrations/sglang
+	$(call NUMBA_CACHE,$(SGLANG_VENV)) $(SGLANG_VENV)/bin/pytest -n 2 --durations=4 tests/integrations/sglang
 
-.PHONY: setup demo test test-vllm $(SCHEDULER_VLLM:%=test-vllm%) test-sglang test-transformers-oldest test-latest lock \
-	bench soak redis-server gpu-check
+.PHONY: setup demo test test-lint test-main test-vllm test-vllm-engines test-soak $(SCHEDULER_VLLM:%=test-vllm%) \
+	test-sglang test-transformers-oldest test-latest lock bench soak redis-server gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -127,23 +131,27 @@ redis-server:
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/prefix_reuse_demo.py
 
-# Two pytest workers: most tests are single-threaded (interpreters, engine start-up) and this
-# machine has two cores.
-test: $(VENV)/.installed redis-server
+# Every environment the stages run in, set up first: the stages' times are the tests' own. The stages and their
+# order are tests/support/stages.py's, which runs each as the target of its name here and prints their times.
+TEST_ENVIRONMENTS := $(VENV)/.installed $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed $(VLLM_VENV)/.installed \
+	$(VLLM033_VENV)/.installed $(VLLM034_VENV)/.installed $(SGLANG_VENV)/.installed
+test: $(TEST_ENVIRONMENTS) redis-server
+	python3 tests/support/stages.py --make "$(MAKE)"
+
+test-lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 --durations=8
-	$(MAKE) test-transformers-oldest
-	$(MAKE) test-vllm
-	$(MAKE) test-vllm033
-	$(MAKE) test-vllm034
-	$(MAKE) test-sglang
+
+# Two pytest workers: most tests are single-threaded (interpreters, engine start-up) and this
+# machine has two cores.
+test-main: $(VENV)/.installed redis-server
+	$(call NUMBA_CACHE,$(VENV)) $(BIN)/pytest -n 2 --durations=8
 
 # The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
 test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/python -c "import transformers as t; \
 		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
-	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/pytest -n 2 --durations=4 \
+	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(call NUMBA_CACHE,$(VENV)) $(BIN)/pytest -n 2 --durations=4 \
 		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py \
 		tests/integrations/transformers/test_reply_saves.py
 
@@ -163,12 +171,15 @@ lock:
 	python3 tests/support/versions.py lock .venv-latest:locks/main.txt .venv-latest-vllm:locks/vllm.txt \
 		.venv-latest-vllm033:locks/vllm033.txt .venv-latest-vllm034:locks/vllm034.txt .venv-latest-sglang:locks/sglang.txt
 
-# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (eight tests
-# of 30-80 s each hold most of its time: a worker that is done takes the other's waiting ones); then the
-# soak's quick version alone (two servers and a cluster want both cores).
-test-vllm: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/pytest -n 2 --dist worksteal --durations=8 tests/integrations/vllm --ignore=tests/integrations/vllm/test_soak.py
-	$(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py
+# The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (sixteen tests
+# of 20-120 s each hold most of its time: collected first, tests/conftest.py's SLOW_FIRST, and dealt out to both
+# workers as each frees); then the soak's quick version alone (two servers and a cluster want both cores).
+test-vllm: test-vllm-engines test-soak
+test-vllm-engines: $(VLLM_VENV)/.installed redis-server
+	$(call NUMBA_CACHE,$(VLLM_VENV)) $(VLLM_BIN)/pytest -n 2 --dist load --durations=8 tests/integrations/vllm \
+		--ignore=tests/integrations/vllm/test_soak.py
+test-soak: $(VLLM_VENV)/.installed redis-server
+	$(call NUMBA_CACHE,$(VLLM_VENV)) $(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py
 
 # Serving through faults (benchmarks/soak.py): two vllm serve on one 3+3 cluster for an hour, every fault at
 # least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its quick version (every
