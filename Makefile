@@ -181,22 +181,23 @@ test-vllm-engines: $(VLLM_VENV)/.installed redis-server
 test-soak: $(VLLM_VENV)/.installed redis-server
 	$(call NUMBA_CACHE,$(VLLM_VENV)) $(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py
 
-# Serving through faults (benchmarks/soak.py): two vllm serve on one 3+3 cluster for an hour, every fault at
+# Serving through faults (benchmarks/soak/run.py): two vllm serve on one 3+3 cluster for an hour, every fault at
 # least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its quick version (every
-# fault once, about six minutes) runs in test-vllm (tests/integrations/vllm/test_soak.py).
+# fault once, about three minutes) is make test's soak stage (test-soak: tests/integrations/vllm/test_soak.py).
 SOAK_MINUTES ?= 60
 soak: $(VLLM_VENV)/.installed redis-server
-	$(VLLM_BIN)/python benchmarks/soak.py --minutes $(SOAK_MINUTES) --json soak.json
+	$(VLLM_BIN)/python -m benchmarks.soak.run --minutes $(SOAK_MINUTES) --json soak.json
 
-# The data path on a CUDA GPU, one table (benchmarks/gpu_check.py): run with GPU_PYTHON (default python3)
+# The data path on a CUDA GPU, one table (benchmarks/datapath/gpu_check.py): run with GPU_PYTHON (default python3)
 # where it has a CUDA build of torch with Triton, else with the CPU environment, which says in one line
 # that there is no GPU. Its CPU part runs in `make test` (tests/datapath/test_gpu_check.py).
 GPU_PYTHON ?= python3
 gpu-check:
-	@if $(GPU_PYTHON) -c "import torch, triton" 2>/dev/null; then PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py; \
-	else $(MAKE) -s $(VENV)/.installed-demo && $(BIN)/python benchmarks/gpu_check.py; fi
+	@if $(GPU_PYTHON) -c "import torch, triton" 2>/dev/null; then PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m benchmarks.datapath.gpu_check; \
+	else $(MAKE) -s $(VENV)/.installed-demo && $(BIN)/python -m benchmarks.datapath.gpu_check; fi
 
-# The benchmarks' own references beyond the test tools: BLAKE3 for the keyed-hash comparison (macs.py).
+# The benchmarks' own references beyond the test tools: BLAKE3 for the keyed-hash comparison
+# (benchmarks/store/macs.py).
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PIP) blake3
 	touch $@
@@ -204,18 +205,18 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 # Every benchmark; one that could not measure a variant prints a row saying why and exits 1.
 bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.installed $(SGLANG_VENV)/.installed \
 		redis-server
-	$(BIN)/python benchmarks/groups.py
-	$(BIN)/python benchmarks/transfer.py
-	$(BIN)/python benchmarks/store.py
-	$(BIN)/python benchmarks/macs.py
-	$(BIN)/python benchmarks/reuse.py
-	$(BIN)/python benchmarks/restore_check.py
-	$(VLLM_BIN)/python benchmarks/vllm_reuse.py
-	$(VLLM034_VENV)/bin/python benchmarks/early_loads.py
-	$(VLLM_BIN)/python benchmarks/vllm_serving.py
-	$(VLLM_BIN)/python benchmarks/vllm_serving.py --model qwen3-next-like --kv-mib 32
-	$(VLLM_BIN)/python benchmarks/conversations.py --reply-tokens 512 1024
-	$(VLLM_BIN)/python benchmarks/conversations.py --model qwen3-next-like --reply-tokens 512 1024
-	$(VLLM_BIN)/python benchmarks/pd_serving.py
-	$(VLLM_BIN)/python benchmarks/pd_serving.py --model qwen3-next-like
-	$(SGLANG_VENV)/bin/python benchmarks/sglang_storage.py
+	$(BIN)/python -m benchmarks.core.groups
+	$(BIN)/python -m benchmarks.datapath.transfer
+	$(BIN)/python -m benchmarks.store.tiers
+	$(BIN)/python -m benchmarks.store.macs
+	$(BIN)/python -m benchmarks.integrations.transformers.reuse
+	$(BIN)/python -m benchmarks.integrations.transformers.restore_check
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.reuse
+	$(VLLM034_VENV)/bin/python -m benchmarks.integrations.vllm.early_loads
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.serving
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.serving --model qwen3-next-like --kv-mib 32
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.conversations --reply-tokens 512 1024
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.conversations --model qwen3-next-like --reply-tokens 512 1024
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.pd_serving
+	$(VLLM_BIN)/python -m benchmarks.integrations.vllm.pd_serving --model qwen3-next-like
+	$(SGLANG_VENV)/bin/python -m benchmarks.integrations.sglang.storage

@@ -173,3 +173,19 @@ def test_the_command_and_the_core_import_nothing_heavy() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+BENCHMARKS = PACKAGE.parent.parent / "benchmarks"
+# The benchmarks' rooms: the package's parts they measure, the soak, and what they share.
+BENCHMARK_ROOMS = {"core", "datapath", "store", "integrations", "integrations/transformers", "integrations/vllm",
+                   "integrations/sglang", "soak", "support"}
+
+
+def test_the_benchmarks_keep_their_modules_in_rooms_that_say_what_lives_there() -> None:
+    assert [path.name for path in BENCHMARKS.glob("*.py")] == ["__init__.py"]
+    rooms = {str(path.parent.relative_to(BENCHMARKS)) for path in BENCHMARKS.rglob("__init__.py")} - {"."}
+    assert rooms == BENCHMARK_ROOMS
+    for path in BENCHMARKS.rglob("*.py"):
+        assert (path.parent / "__init__.py").is_file(), path  # every module is importable as benchmarks.ROOM.NAME
+    for path in BENCHMARKS.rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))), path

@@ -7,7 +7,8 @@ import importlib.util
 
 import pytest
 import torch
-from benchmarks import gpu_check
+
+from benchmarks.datapath import gpu_check
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton missing")

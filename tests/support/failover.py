@@ -1,5 +1,5 @@
 """A Valkey/Redis Cluster's failover, timed: when the cluster says it is whole again, and when a chunk store
-hits again (tests/store/test_cluster.py and benchmarks/failover.py)."""
+hits again (tests/store/test_cluster.py and benchmarks/store/failover.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ runs is exercised here: two engine processes, one store, the same tokens and log
 from __future__ import annotations
 
 import pytest
-from benchmarks import gpu_check
+
+from benchmarks.datapath import gpu_check
 
 
 def test_the_engine_row_reuses_a_prefix_across_processes_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -15,7 +16,7 @@ def test_the_engine_row_reuses_a_prefix_across_processes_on_the_cpu(capsys: pyte
 
 
 def test_a_row_that_cannot_run_says_why_and_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import gpu_engines
+    from benchmarks.integrations.vllm import gpu_engines
 
     def refuse(job: dict[str, object], *_: object) -> list[dict[str, object]]:
         raise RuntimeError("ValueError: no attention backend NOPE")

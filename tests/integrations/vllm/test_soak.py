@@ -1,4 +1,4 @@
-"""The soak's three-minute version (benchmarks/soak.py --quick): two ``vllm serve`` on one cluster, every
+"""The soak's three-minute version (``python -m benchmarks.soak.run --quick``): two ``vllm serve`` on one cluster, every
 fault once, every invariant checked; a broken one fails this test with the soak's own words."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests.support.paths import ROOT
 @pytest.mark.skipif(os.geteuid() != 0, reason="the soak mounts tmpfs file tiers, which needs root")
 def test_two_servers_on_one_cluster_answer_right_through_every_fault(tmp_path: Path) -> None:
     report = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--json", str(report)],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.soak.run", "--quick", "--json", str(report)],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(report.read_text())

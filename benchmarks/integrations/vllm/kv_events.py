@@ -9,20 +9,18 @@ on, serve the same requests (a batch of prompts stored, then the same prompts ag
 the time inside ``schedule()`` and ``update_from_output()`` of every step is summed per engine.
 Rounds alternate which engine goes first; the ratio is the median of per-round ratios.
 
-Run with the vLLM environment: ``.venv-vllm/bin/python benchmarks/kv_events.py [--rounds N]``.
+Run with the vLLM environment: ``.venv-vllm/bin/python -m benchmarks.integrations.vllm.kv_events [--rounds N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, PROMPT_TOKENS, CHUNK = 8, 1000, 256  # the harness serves up to 1024 tokens
 
 
@@ -65,7 +63,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from tests.integrations.vllm.tiny_vllm_models import save_model
 
     with tempfile.TemporaryDirectory(prefix="kvgroups-events-bench-") as temporary:

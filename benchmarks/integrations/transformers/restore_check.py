@@ -30,13 +30,14 @@ from typing import Any
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from tests.support.paths import ROOT
 
-from prefix_reuse_demo import CHUNK, COMMON, MODELS, PROMPT, SHARED, build  # noqa: E402
+sys.path.insert(0, str(ROOT / "examples"))  # the demo's models: examples/ is no package
 
-from kvgroups.integrations.transformers import PrefixCache, check_records, restore_check  # noqa: E402
-from kvgroups.store import MemoryStore  # noqa: E402
+from prefix_reuse_demo import CHUNK, COMMON, MODELS, PROMPT, SHARED, build
+
+from kvgroups.integrations.transformers import PrefixCache, check_records, restore_check
+from kvgroups.store import MemoryStore
 
 UNVERIFIED = "5.99.0"
 VARIANTS = ("verified", "first hit, checked", "remembered")

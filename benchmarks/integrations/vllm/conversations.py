@@ -18,7 +18,8 @@ from its first token to its last over the tokens in between, p50), the store's b
 the chunks saved while decoding and the wall time. Reported: medians over runs, and the medians of
 the paired ratios on/off (run i of one variant against run i of the other).
 
-Run with the vLLM environment: ``.venv-vllm/bin/python benchmarks/conversations.py [--model qwen3-next-like]``.
+Run with the vLLM environment: ``.venv-vllm/bin/python -m benchmarks.integrations.vllm.conversations
+[--model qwen3-next-like]``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_serving import MODELS, percentile, spawn, tokens
+from benchmarks.integrations.vllm.serving import MODELS, percentile, spawn, tokens
 
 VARIANTS = ("save_decode on", "save_decode off")
 
@@ -130,7 +131,7 @@ def main() -> None:
     if args.engine:
         engine_run(json.loads(Path(args.engine).read_text()))
         return
-    import models
+    from benchmarks.support import models
 
     model = MODELS[args.model]
     longest = args.prompt_tokens + (args.turns - 1) * args.message_tokens + args.turns * args.reply_tokens[1]
@@ -150,7 +151,8 @@ def main() -> None:
             for variant in order:
                 name = f"{variant.replace(' ', '-')}-{index}"
                 result = spawn({**job, "save_decode": variant.endswith("on"),
-                                "store": f"file://{directory}/{name}"}, directory, name, script=__file__)
+                                "store": f"file://{directory}/{name}"}, directory, name,
+                               module="benchmarks.integrations.vllm.conversations")
                 if "error" in result:
                     raise SystemExit(f"{variant}: {result['error']}")
                 runs[variant].append(summary(result))

@@ -1,9 +1,9 @@
 """The models the reuse benchmarks share: random-weight, sized for a CPU, built from a fixed seed.
 
-``LLAMA_LIKE`` is the model of ``reuse.py`` (transformers) and of ``vllm_reuse.py`` /
-``vllm_serving.py`` (vLLM's CPU engine): 8 layers, hidden 1024, 16 heads, 8 KV heads, vocab 32000,
-32 KiB of float32 K/V per token. ``QWEN3_NEXT_LIKE`` is ``vllm_serving.py``'s hybrid (gated DeltaNet and
-full attention). Nothing is downloaded.
+``LLAMA_LIKE`` is the model of ``integrations.transformers.reuse`` and of ``integrations.vllm.reuse`` /
+``integrations.vllm.serving`` (vLLM's CPU engine): 8 layers, hidden 1024, 16 heads, 8 KV heads, vocab 32000,
+32 KiB of float32 K/V per token. ``QWEN3_NEXT_LIKE`` is ``integrations.vllm.serving``'s hybrid (gated DeltaNet
+and full attention). Nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# Runs benchmarks/macs.py with the blake3 package unimportable, as on a machine without it.
+from benchmarks.support.unmeasured import Unmeasured
+from tests.support.paths import ROOT
+
+# Runs benchmarks.store.macs with the blake3 package unimportable, as on a machine without it.
 WITHOUT_BLAKE3 = """
 import runpy, sys
 sys.modules["blake3"] = None
-sys.argv = ["macs.py", "--rounds", "2"]
-runpy.run_path("benchmarks/macs.py", run_name="__main__")
+sys.argv = ["macs", "--rounds", "2"]
+runpy.run_module("benchmarks.store.macs", run_name="__main__", alter_sys=True)
 """
 
 
 def test_a_reference_that_cannot_run_is_a_row_saying_why_and_the_run_fails() -> None:
     completed = subprocess.run([sys.executable, "-c", WITHOUT_BLAKE3], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300, check=False, env={"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'benchmarks'}"})
+                               timeout=300, check=False, env={"PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
     assert completed.returncode == 1, completed.stderr
     rows = completed.stdout.splitlines()
     assert any(row.startswith("| AES-256-GCM GMAC (ours) | ") for row in rows)  # what could run, ran
@@ -27,9 +28,6 @@ def test_a_reference_that_cannot_run_is_a_row_saying_why_and_the_run_fails() -> 
 
 
 def test_what_cannot_exist_on_this_platform_is_a_row_that_does_not_fail_the_run() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from unmeasured import Unmeasured
-
     unmeasured = Unmeasured()
     row = unmeasured.row("vLLM OffloadingConnector (CPU tier)", "Exception: CPU Offloading is\n only on GPUs",
                          columns=4, available_elsewhere=True)  # (a line break in an error: one table row)

@@ -32,10 +32,10 @@ from typing import Any
 
 import redis
 
+from benchmarks.support.servers import installed_server, local_redis, running_cluster, running_server
+from benchmarks.support.unmeasured import Unmeasured
 from kvgroups.core.sizes import MIB
 from kvgroups.store import FileStore, MemoryStore, open_store
-from servers import installed_server, local_redis, running_cluster, running_server
-from unmeasured import Unmeasured
 
 Action = Callable[[int], object]
 UNMEASURED = Unmeasured()  # what this run could not measure (a row each; the run then exits 1)

@@ -37,6 +37,7 @@ def _prompt(seed: int, length: int) -> list[dict[str, Any]]:
 
 def _run(job: dict[str, Any], directory: Path, name: str) -> list[dict[str, Any]]:
     import torch
+
     from tests.integrations.vllm.engine_runner import run_job
 
     try:  # forked from the engine zygote on the CPU; CUDA does not survive a fork, each engine a fresh interpreter

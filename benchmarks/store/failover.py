@@ -20,7 +20,7 @@ Then the option's cost: seconds per chunk saved, with and without it, on the who
 Prints the tables and exits 1 if a synced repetition served again later than ``--bound`` seconds after the
 cluster said it was whole, or an acknowledged entry was lost.
 
-Run: ``.venv/bin/python benchmarks/failover.py [--repetitions 20] [--node-timeout-ms 1000]``.
+Run: ``.venv/bin/python -m benchmarks.store.failover [--repetitions 20] [--node-timeout-ms 1000]``.
 """
 
 from __future__ import annotations
@@ -32,13 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from kvgroups.store import KVChunkStore
 from tests.support.failover import cluster_ok
 from tests.support.servers import Cluster, running_cluster
 from tests.support.stored_chunks import MIXED_KINDS, build_metadata, chunk_tensors, prompts, save_all
-
-from kvgroups.store import KVChunkStore
 
 WAIT = "?wait_replicas=1&wait_timeout=0.2"
 

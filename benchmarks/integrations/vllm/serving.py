@@ -4,7 +4,7 @@ In the style of LMCache's multi-round QA benchmark: ``--users`` users share a sy
 has a context of its own, and each round every user asks a question (appended to their history)
 and gets an answer (appended too); a user's next question waits for their answer, the users run
 concurrently. Nothing of a user's history stays in vLLM between their rounds: vLLM's prefix cache
-is off, as in ``vllm_reuse.py`` (the limit of a KV space too small to keep histories; with
+is off, as in ``reuse`` (the limit of a KV space too small to keep histories; with
 ``--prefix-caching`` it is on, in ``--kv-mib`` of KV space, and evicts histories as it fills), so
 only the store has them. The model is ``models.LLAMA_LIKE`` (8 layers, hidden 1024, 8 KV heads,
 32 KiB of KV per token), block size 128, 4096 batched tokens per step, chunks of 256 tokens in a
@@ -20,7 +20,7 @@ error is printed). Reported: wall time, prompt and output tokens/s, TTFT p50/p90
 served by vLLM's cache and by the store, and the time the scheduler spends in the connector per
 engine step (every scheduler-side connector call).
 
-Run with the vLLM environment: ``.venv-vllm/bin/python benchmarks/vllm_serving.py``.
+Run with the vLLM environment: ``.venv-vllm/bin/python -m benchmarks.integrations.vllm.serving``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 OFF_LOADS = {"kvgroups": {"load": False}}
+# How its engine processes run this module (spawn).
+MODULE = "benchmarks.integrations.vllm.serving"
 # What vLLM's OffloadingConnector raises on vLLM's CPU platform (vllm/v1/kv_offload/cpu/spec.py).
 OFFLOADING_REFUSES_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 # Per model: how it is saved, the engine's settings, the connector's chunk (None: it follows vLLM's blocks),
@@ -173,15 +175,17 @@ def conversation(engine: Any, sampling: Any, job: dict[str, Any], session: dict[
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": sum(cached)}
 
 
-def spawn(job: dict[str, Any], directory: Path, name: str, script: str = __file__) -> dict[str, Any]:
-    """Run ``script --engine JOB`` (its engine_run) in a fresh process: what it wrote, or {"error": why}."""
+def spawn(job: dict[str, Any], directory: Path, name: str, module: str = MODULE) -> dict[str, Any]:
+    """Run ``python -m MODULE --engine JOB`` (its engine_run) in a fresh process: what it wrote, or
+    {"error": why}."""
+    from tests.support.paths import ROOT
+
     job = {**job, "out": str(directory / f"{name}.json")}
     path = directory / f"{name}-job.json"
     path.write_text(json.dumps(job))
-    source = str(Path(__file__).resolve().parents[1] / "src")
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-                   "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run([sys.executable, script, "--engine", str(path)], env=environment,
+                   "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run([sys.executable, "-m", module, "--engine", str(path)], cwd=ROOT, env=environment,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     if completed.returncode or not Path(job["out"]).exists():
         lines = [line for line in completed.stderr.splitlines() if line.strip()] or ["no output"]
@@ -214,8 +218,8 @@ def main() -> None:
     if args.engine:
         engine_run(json.loads(Path(args.engine).read_text()))
         return
-    import models
-    from unmeasured import Unmeasured
+    from benchmarks.support import models
+    from benchmarks.support.unmeasured import Unmeasured
 
     model = MODELS[args.model]
     if args.prefix_caching is None:

@@ -15,7 +15,7 @@ time). Reported: the hits' and the misses' wait from arrival to their first sche
 steps, medians over requests, then over rounds), the medians of the per-round ratios against the
 default, and the steps to finish everything.
 
-Run with the vLLM 0.34 environment: ``.venv-vllm034/bin/python benchmarks/early_loads.py``.
+Run with the vLLM 0.34 environment: ``.venv-vllm034/bin/python -m benchmarks.integrations.vllm.early_loads``.
 """
 
 from __future__ import annotations
@@ -24,17 +24,15 @@ import argparse
 import dataclasses
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import vllm
+from vllm.config import SchedulerConfig
 
-import vllm  # noqa: E402
-from tests.integrations.vllm.harness import (  # noqa: E402
+from tests.integrations.vllm.harness import (
     FakeWorker,
     SchedulerHarness,
     cache_config,
@@ -42,8 +40,7 @@ from tests.integrations.vllm.harness import (  # noqa: E402
     prompt,
     vllm_config,
 )
-from tests.integrations.vllm.tiny_vllm_models import save_model  # noqa: E402
-from vllm.config import SchedulerConfig  # noqa: E402
+from tests.integrations.vllm.tiny_vllm_models import save_model
 
 KINDS = ["sliding", "full"]
 

@@ -1,4 +1,4 @@
-"""The soak's report (``benchmarks/soak.py``): what the clients saw, per fault and in all, against the
+"""The soak's report (``benchmarks.soak.run``): what the clients saw, per fault and in all, against the
 invariants the run must keep, printed as tables and written as JSON.
 
 A request counts against a fault when it was in flight at any time while the fault held. The cache

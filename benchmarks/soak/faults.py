@@ -1,4 +1,4 @@
-"""The faults the soak injects (``benchmarks/soak.py``), each with its undoing, on the real parts it runs.
+"""The faults the soak injects (``benchmarks.soak.run``), each with its undoing, on the real parts it runs.
 
 Every fault is a :class:`Fault`: ``inject`` at its start, ``undo`` at its end (a fault that happens
 at once, such as a corruption, has nothing to undo). What each one does to which part is in its

@@ -3,12 +3,9 @@ server is installed (the benchmark then leaves its Redis rows out)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.servers import installed_server, running_cluster, running_server
 

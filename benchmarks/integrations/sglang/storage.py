@@ -1,5 +1,5 @@
 """SGLang's HiCache L3: kvgroups' backend against SGLang's own file backend, and its Redis tier against
-redis-benchmark, in one run (in .venv-sglang: `make bench`).
+redis-benchmark, in one run: ``.venv-sglang/bin/python -m benchmarks.integrations.sglang.storage`` (``make bench``).
 
 Pages are an SGLang MHA host pool's (32 layers, 8 KV heads of 128 dims, bfloat16, 32-token pages: 4 MiB a
 page on one tensor-parallel rank of a Llama-3.1-8B), written and read through each backend's own calls,
@@ -23,16 +23,12 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.integrations.sglang import torchvision_stand_in  # noqa: E402
+from tests.integrations.sglang import torchvision_stand_in
 
 torchvision_stand_in.install()
 
@@ -41,9 +37,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 
+from benchmarks.support.servers import installed_server, running_server  # noqa: E402
+from benchmarks.support.unmeasured import Unmeasured  # noqa: E402
 from kvgroups.integrations.sglang import KVGroupsHiCacheStorage  # noqa: E402
-from servers import installed_server, running_server  # noqa: E402
-from unmeasured import Unmeasured  # noqa: E402
 
 UNMEASURED = Unmeasured()
 LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 32

@@ -11,10 +11,10 @@ Rows:
     event completed, and the caches hold its bytes once it is;
   * synchronizations: what a save (gather, copy to pinned memory, event) makes the launching thread wait
     for, counted with ``torch.cuda.set_sync_debug_mode``;
-  * vLLM engines (:mod:`gpu_engines`): a tiny llama-like model and a qwen3-next-like hybrid on FLASH_ATTN and
-    FLASHINFER, a prefix stored by one process reused by another with identical greedy tokens and logprobs,
-    and its time to first token against vLLM's own prefix cache and against computing it; skipped where
-    vLLM is not installed (the lent GPU machines have none). ``--engines none`` leaves them out.
+  * vLLM engines (``benchmarks.integrations.vllm.gpu_engines``): a tiny llama-like model and a qwen3-next-like
+    hybrid on FLASH_ATTN and FLASHINFER, a prefix stored by one process reused by another with identical greedy
+    tokens and logprobs, and its time to first token against vLLM's own prefix cache and against computing it;
+    skipped where vLLM is not installed (the lent GPU machines have none). ``--engines none`` leaves them out.
 ``--device cpu`` runs the kernel rows on the CPU (Triton under its interpreter, small shapes), and with
 ``--engines llama`` the llama engine row on vLLM's CPU build: that part runs in ``make test``.
 """
@@ -29,7 +29,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +39,6 @@ from kvgroups.integrations.vllm.loads import BackgroundLoads  # the worker's loa
 from kvgroups.transfer import KVTransfer
 
 Row = tuple[str, str, str]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _caches(case: str, device: torch.device, dtype: torch.dtype, layers: int, blocks: int,
@@ -217,13 +215,12 @@ def sync_rows(device: torch.device) -> list[Row]:
 
 
 def engine_rows(backends: tuple[str, ...], models: tuple[str, ...] | None = None) -> list[Row]:
-    """Real vLLM engines on ``backends`` reusing a prefix across processes (:mod:`gpu_engines`)."""
+    """Real vLLM engines on ``backends`` reusing a prefix across processes (``gpu_engines``)."""
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
         return [("vLLM engines (llama-like, qwen3-next-like)", ", ".join(backends),
                  "skipped: vLLM (with transformers) is not installed here")]
-    sys.path.insert(0, str(ROOT))  # the engine runner and the tiny models live in tests/
-    from benchmarks.gpu_engines import MODELS
-    from benchmarks.gpu_engines import engine_rows as run_engines
+    from benchmarks.integrations.vllm.gpu_engines import MODELS
+    from benchmarks.integrations.vllm.gpu_engines import engine_rows as run_engines
 
     return run_engines(backends, models or tuple(MODELS))
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import kvgroups
-from unmeasured import Unmeasured
+from benchmarks.support.unmeasured import Unmeasured
 
 CASES = ((32, 1), (128, 8), (1000, 64))
 

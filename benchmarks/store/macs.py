@@ -2,7 +2,7 @@
 without a secret, the GMAC they carry with one, and the other keyed functions that could replace it.
 
 A secret's MAC must be a keyed cryptographic function; its cost over the checksum's is what a
-sealed save or load pays (``benchmarks/store.py``'s ``file + MAC`` rows). Candidates, each over
+sealed save or load pays (``benchmarks.store.tiers``'s ``file + MAC`` rows). Candidates, each over
 the same 1 MiB (or ``--mib``) buffer, in turn round after round (A, B, C, ..., A, B, C, ...):
 
   xxh3-64            the checksum of unsealed entries (not a MAC: anyone can recompute it)
@@ -31,7 +31,7 @@ import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESGCMSIV, AESOCB3, ChaCha20Poly1305
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from unmeasured import Unmeasured
+from benchmarks.support.unmeasured import Unmeasured
 
 MISSING: dict[str, str] = {}  # the candidates that could not run here, and why
 

@@ -30,14 +30,14 @@ from typing import Any
 import torch
 import transformers
 
+from benchmarks.support.models import gemma3_like, llama_like
+from benchmarks.support.servers import local_cluster, local_redis
+from benchmarks.support.unmeasured import Unmeasured
 from kvgroups.integrations.transformers import PrefixCache
 from kvgroups.store import LoadedEntries
 from kvgroups.store.backends.base import ByteStore
 from kvgroups.store.entries.codec import view_entry
 from kvgroups.store.metrics.counters import Histogram, StoreMetrics
-from models import gemma3_like, llama_like
-from servers import local_cluster, local_redis
-from unmeasured import Unmeasured
 
 PROMPT, SHARED, CHUNK = 4096, 3840, 256
 

@@ -1,10 +1,10 @@
 """Disaggregated prefill through the store against one server doing both, with ``vllm serve`` (CPU build).
 
-Multi-user conversations as in ``vllm_serving.py``: ``--users`` users share a system prompt, each has
+Multi-user conversations as in ``serving``: ``--users`` users share a system prompt, each has
 a context of their own, and each round a user asks a question (appended to their history) and
 streams an answer of ``--answer`` tokens (appended too); a user's next question waits for their
 answer, the users run concurrently. Two arms, each on both of this machine's cores, each on a file
-store of its own (the model's ``benchmarks/models.py`` version: llama-like, or the qwen3-next-like
+store of its own (the model's ``benchmarks.support.models`` version: llama-like, or the qwen3-next-like
 hybrid under vLLM's defaults):
 
 * ``one server``: one ``vllm serve`` (``kv_both``, both CPUs) prefills and decodes every request.
@@ -19,7 +19,8 @@ server's ``kvgroups_handover_tokens_total``), waits that ran out, and how many a
 one server's. Both arms share two cores: P/D gives each server one, so a prefill never slows a
 decode step of the other server, and each server has half the machine.
 
-Run in the vLLM environment: ``.venv-vllm/bin/python benchmarks/pd_serving.py [--model qwen3-next-like]``.
+Run in the vLLM environment: ``.venv-vllm/bin/python -m benchmarks.integrations.vllm.pd_serving
+[--model qwen3-next-like]``.
 """
 
 from __future__ import annotations
@@ -37,14 +38,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "src"))
-
-from benchmarks import models  # noqa: E402
-from benchmarks.soak import Server  # noqa: E402
-
-from kvgroups.integrations.vllm.pd_proxy import prefill_body  # noqa: E402
+from benchmarks.soak.run import Server
+from benchmarks.support import models
+from kvgroups.integrations.vllm.pd_proxy import prefill_body
 
 # Per model: how it is saved and its engine's options (the hybrid under vLLM's defaults: prefix cache on).
 MODELS: dict[str, dict[str, Any]] = {

@@ -27,7 +27,7 @@ process, and a scan's one more); the stores within their budgets; the connector'
 a server (sampled as it runs: a restarted server's counters start again), and more than none over
 the run. A broken invariant fails the run (exit 1).
 
-Run as root in the vLLM environment: ``.venv-vllm/bin/python benchmarks/soak.py`` (``make soak``, 60
+Run as root in the vLLM environment: ``.venv-vllm/bin/python -m benchmarks.soak.run`` (``make soak``, 60
 minutes, every fault three times); ``--quick`` runs every fault once, each as soon as the last one's hits are back,
 in about 3 minutes (what ``make test`` runs).
 """
@@ -51,12 +51,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "src"))
-
-from benchmarks.soak_faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount  # noqa: E402
-from benchmarks.soak_report import (  # noqa: E402
+from benchmarks.soak.faults import Fault, Faults, directory_bytes, mount_tmpfs, resources, unmount
+from benchmarks.soak.report import (
     CONNECTOR_COUNTERS,
     RECOVERY_REQUESTS,
     RECOVERY_WINDOW,
@@ -67,8 +63,9 @@ from benchmarks.soak_report import (  # noqa: E402
     hits_back_after,
     steady_share_of,
 )
-from tests.support.ports import serve_on_free_port  # noqa: E402
-from tests.support.servers import running_cluster  # noqa: E402
+from tests.support.paths import ROOT
+from tests.support.ports import serve_on_free_port
+from tests.support.servers import running_cluster
 
 CHUNK = 64
 RESTART_NICENESS = -10

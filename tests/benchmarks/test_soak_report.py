@@ -1,4 +1,4 @@
-"""The soak's report (benchmarks/soak_report.py) on outcomes made up here: each invariant it holds breaks
+"""The soak's report (benchmarks/soak/report.py) on outcomes made up here: each invariant it holds breaks
 the run when broken, and a clean run passes."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.soak_faults import file_kind, resources
-from benchmarks.soak_report import Outcome, SoakReport, by_fault
 
+from benchmarks.soak.faults import file_kind, resources
+from benchmarks.soak.report import Outcome, SoakReport, by_fault
 from kvgroups.store import FileStore
 
 LOADED = {"vllm:kvgroups_loaded_tokens_total{}": 640.0, "vllm:external_prefix_cache_hits_total{}": 640.0}
@@ -31,7 +31,7 @@ def steady_run(tmp_path: Path) -> tuple[list[Outcome], dict[str, list[dict[str, 
 
 
 def counts(loaded: float, external: float) -> dict[str, float]:
-    """A sample's connector counters (benchmarks.soak_report.CONNECTOR_COUNTERS)."""
+    """A sample's connector counters (benchmarks.soak.report.CONNECTOR_COUNTERS)."""
     return {"loaded": loaded, "external hits": external, "short loads": 0.0, "failed reads": 0.0,
             "corrupt entries": 0.0, "tier errors": 0.0}
 

@@ -19,7 +19,7 @@ connector measures, interleaved round by round:
 An engine without any connector, in its own process (vLLM runs one engine per process once the
 connector's numba kernels are loaded), measures the computed TTFT and the batch for reference.
 
-Run with the vLLM environment: ``.venv-vllm/bin/python benchmarks/vllm_reuse.py [--rounds N]``.
+Run with the vLLM environment: ``.venv-vllm/bin/python -m benchmarks.integrations.vllm.reuse [--rounds N]``.
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unmeasured import Unmeasured
+from benchmarks.support.unmeasured import Unmeasured
+from tests.support.paths import ROOT
 
 PROMPT, SHARED, BIG, CHUNK, BATCH, OUTPUT_TOKENS = 2048, 1792, 8192, 256, 12, 8
 OFF = {"kvgroups": {"load": False, "save": False}}
 KV_BYTES_PER_TOKEN = 8 * 2 * 512 * 4  # layers x (K, V) x 8 KV heads of 64 x float32
 PAUSE_SECONDS = 0.25  # between two engines' turns: the one that ran lets go of the cores (OpenMP threads spin a while)
+ENGINE = [sys.executable, "-m", "benchmarks.integrations.vllm.reuse", "--engine"]  # an engine process: this module
 
 
 def tokens(seed: int, count: int) -> list[int]:
@@ -225,11 +227,11 @@ class HitsEngine:
         commands_read, self._commands = os.pipe()
         self._results, results_write = os.pipe()
         self.log = directory / f"{name}.log"
-        command = [sys.executable, __file__, "--engine", "--hits", "--model", model, "--store", store,
+        command = [*ENGINE, "--hits", "--model", model, "--store", store,
                    "--extra-config", json.dumps(extra_config), "--commands-fd", str(commands_read),
                    "--results-fd", str(results_write)]
         with self.log.open("w") as log:  # a file, not a pipe: nobody reads vLLM's logs while it runs
-            self.process = subprocess.Popen(command, env=engine_environment(), stdout=log, stderr=log,
+            self.process = subprocess.Popen(command, cwd=ROOT, env=engine_environment(), stdout=log, stderr=log,
                                             pass_fds=(commands_read, results_write))
         os.close(commands_read)
         os.close(results_write)
@@ -303,23 +305,22 @@ def report_hits(by_mode: dict[str, dict[str, list[list[float]]]], rounds: int) -
 
 def engine_environment() -> dict[str, str]:
     """An engine's environment: in-process (vLLM's own processes would hold on to the caches), 4 GiB of KV."""
-    source = str(Path(__file__).resolve().parents[1] / "src")
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def spawn(model: str, store: str | None, rounds: int, directory: Path, name: str,
           extra_config: dict[str, Any], kv_events: bool = False) -> dict[str, Any]:
     out = directory / f"{name}.json"
-    command = [sys.executable, __file__, "--engine", "--model", model, "--rounds", str(rounds), "--out", str(out),
+    command = [*ENGINE, "--model", model, "--rounds", str(rounds), "--out", str(out),
                "--extra-config", json.dumps(extra_config)]
     if kv_events:
         command += ["--kv-events", f"ipc://{directory}/{name}-kv-events"]
     if store is not None:
         command += ["--store", store]
-    completed = subprocess.run(command, env=engine_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, check=False)
+    completed = subprocess.run(command, cwd=ROOT, env=engine_environment(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, check=False)
     if completed.returncode:
         engine_failed(name, completed.returncode, completed.stderr)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -405,7 +406,7 @@ def main() -> None:
         else:
             engine_run(args.model, args.store, args.rounds, args.out, json.loads(args.extra_config), args.kv_events)
         return
-    from models import save_llama_like
+    from benchmarks.support.models import save_llama_like
 
     with tempfile.TemporaryDirectory(prefix="kvgroups-vllm-bench-") as temporary:
         directory = Path(temporary)

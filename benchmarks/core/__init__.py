@@ -1,0 +1,1 @@
+"""Benchmarks of the core: layer groups and metadata (``groups``)."""

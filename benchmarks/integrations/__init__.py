@@ -1,0 +1,1 @@
+"""Benchmarks of the integrations, one room per engine: ``transformers``, ``vllm``, ``sglang``."""

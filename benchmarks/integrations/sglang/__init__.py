@@ -1,0 +1,1 @@
+"""Benchmarks of the SGLang HiCache storage backend against SGLang's own file backend (``storage``)."""
