@@ -7,10 +7,12 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
-# Where an environment's tests keep numba's compiled kernels: one folder per environment (its own numba), so that
-# environments neither recompile each other's kernels (a cache of another numba is discarded and rewritten) nor
-# race for one cache when their suites run at once; kept with the environment, for the next run.
-NUMBA_CACHE = NUMBA_CACHE_DIR=$(abspath $(1))/numba-cache
+# Where the tests of environment $(1) keep compiled kernels, in .cache/: numba's, one folder per numba release (by
+# default they would share src/'s __pycache__, where each environment of another release discards the others'
+# kernels and compiles them again), and torch inductor's (vLLM's sampler in the servers the tests start, which
+# would otherwise compile in each server's own temporary directory). Kept for the next run.
+KERNEL_CACHES = NUMBA_CACHE_DIR=$(CURDIR)/.cache/numba-$(shell $(1)/bin/python -c "import numba; print(numba.__version__)") \
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor
 
 # This repo's own environments install exact versions: locks/*.txt are pip constraints, one per environment,
 # of everything it installs (the package's extras keep ranges, for users). LOCKED= installs the newest releases
@@ -92,7 +94,7 @@ $$(VLLM$(1)_VENV)/.installed: pyproject.toml tests/integrations/vllm/cpu_require
 
 # The connector's tests against this line's real Scheduler and fake caches.
 test-vllm$(1): $$(VLLM$(1)_VENV)/.installed redis-server
-	$$(call NUMBA_CACHE,$$(VLLM$(1)_VENV)) $$(VLLM$(1)_VENV)/bin/pytest -n 2 --durations=4 $$(SCHEDULER_TESTS)
+	$$(call KERNEL_CACHES,$$(VLLM$(1)_VENV)) $$(VLLM$(1)_VENV)/bin/pytest -n 2 --durations=4 $$(SCHEDULER_TESTS)
 endef
 $(foreach line,$(SCHEDULER_VLLM),$(eval $(call scheduler_environment,$(line))))
 
@@ -112,7 +114,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml tests/integrations/sglang/cpu_requirem
 	touch $@
 
 test-sglang: $(SGLANG_VENV)/.installed redis-server
-	$(call NUMBA_CACHE,$(SGLANG_VENV)) $(SGLANG_VENV)/bin/pytest -n 2 --durations=4 tests/integrations/sglang
+	$(call KERNEL_CACHES,$(SGLANG_VENV)) $(SGLANG_VENV)/bin/pytest -n 2 --durations=4 tests/integrations/sglang
 
 .PHONY: setup demo test test-lint test-main test-vllm test-vllm-engines test-soak $(SCHEDULER_VLLM:%=test-vllm%) \
 	test-sglang test-transformers-oldest test-latest lock bench soak redis-server gpu-check
@@ -145,13 +147,13 @@ test-lint: $(VENV)/.installed
 # Two pytest workers: most tests are single-threaded (interpreters, engine start-up) and this
 # machine has two cores.
 test-main: $(VENV)/.installed redis-server
-	$(call NUMBA_CACHE,$(VENV)) $(BIN)/pytest -n 2 --durations=8
+	$(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest -n 2 --durations=8
 
 # The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
 test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/python -c "import transformers as t; \
 		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
-	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(call NUMBA_CACHE,$(VENV)) $(BIN)/pytest -n 2 --durations=4 \
+	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest -n 2 --durations=4 \
 		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py \
 		tests/integrations/transformers/test_reply_saves.py
 
@@ -176,10 +178,10 @@ lock:
 # workers as each frees); then the soak's quick version alone (two servers and a cluster want both cores).
 test-vllm: test-vllm-engines test-soak
 test-vllm-engines: $(VLLM_VENV)/.installed redis-server
-	$(call NUMBA_CACHE,$(VLLM_VENV)) $(VLLM_BIN)/pytest -n 2 --dist load --durations=8 tests/integrations/vllm \
+	$(call KERNEL_CACHES,$(VLLM_VENV)) $(VLLM_BIN)/pytest -n 2 --dist load --durations=8 tests/integrations/vllm \
 		--ignore=tests/integrations/vllm/test_soak.py
 test-soak: $(VLLM_VENV)/.installed redis-server
-	$(call NUMBA_CACHE,$(VLLM_VENV)) $(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py
+	$(call KERNEL_CACHES,$(VLLM_VENV)) $(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py
 
 # Serving through faults (benchmarks/soak/run.py): two vllm serve on one 3+3 cluster for an hour, every fault at
 # least three times; its table and soak.json. Root: it mounts tmpfs file tiers. Its quick version (every

@@ -111,9 +111,12 @@ class Server:
         # No VLLM_CPU_KVCACHE_SPACE: set, it overrides --kv-cache-memory-bytes on vLLM's CPU platform, and a
         # KV space of 1 GiB kept every conversation in vLLM's own prefix cache (the store served almost nothing).
         environment = {name: value for name, value in os.environ.items() if name != "VLLM_CPU_KVCACHE_SPACE"}
-        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, self.cpus)),
-                           PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
         self.incarnation += 1
+        # Its sockets and rendezvous files in the soak's directory (removed at the end), not left in /tmp.
+        scratch = self.directory / f"{self.name}-{self.incarnation}-tmp"
+        scratch.mkdir()
+        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, self.cpus)), TMPDIR=str(scratch),
+                           PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
         # Started again beside the other server's busy engine on a small machine, a server gets a few per cent
         # of a CPU and takes many minutes to start: it starts ahead of the other (as on a machine of its own),
         # then serves at the same priority.

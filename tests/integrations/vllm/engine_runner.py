@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.paths import ROOT
+from tests.support.scratch import scratch_directory
 
 JOB_SECONDS = 600
 
@@ -68,14 +69,16 @@ def run_job(job: dict[str, Any], directory: Path, name: str, *, multiprocess: bo
     job_path = directory / f"{name}-job.json"
     job_path.write_text(json.dumps(job))
     log = directory / f"{name}.log"
-    environment = {**_environment(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-    if forked:
-        code = _zygote().run(job_path, environment, log, JOB_SECONDS)
-    else:
-        with open(log, "wb") as output:
-            code = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine_runner", str(job_path)],
-                                  cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT,
-                                  timeout=JOB_SECONDS, check=False).returncode
+    with scratch_directory() as scratch:  # the engine's sockets and rendezvous file, removed with it
+        environment = {**_environment(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+                       "TMPDIR": scratch}
+        if forked:
+            code = _zygote().run(job_path, environment, log, JOB_SECONDS)
+        else:
+            with open(log, "wb") as output:
+                code = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine_runner", str(job_path)],
+                                      cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT,
+                                      timeout=JOB_SECONDS, check=False).returncode
     if code != 0:
         raise RuntimeError(f"engine {name} exited {code}:\n{log.read_text(errors='replace')[-4000:]}")
     return list(json.loads(Path(job["out"]).read_text()))

@@ -22,6 +22,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 from typing import Any, TextIO
 
 # vLLM's engine, its CPU worker and attention, the test models' classes: what every job would import.
@@ -67,6 +68,7 @@ def become(request: dict[str, Any]) -> None:
     os.setsid()
     os.environ.clear()
     os.environ.update(request["environment"])
+    tempfile.tempdir = None  # the job's TMPDIR, not the one the zygote's imports may have cached
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

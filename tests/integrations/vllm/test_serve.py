@@ -27,6 +27,7 @@ import pytest
 from kvgroups.store import FileStore
 from tests.support.paths import ROOT
 from tests.support.ports import serve_on_free_port, stop_process_group
+from tests.support.scratch import scratch_directory
 
 CHUNK = 64
 MODEL_NAME = "tiny-gemma3"
@@ -85,12 +86,14 @@ def served(model: Path, store: str, log: Path,
     environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1",
                    "VLLM_LOGGING_LEVEL": "DEBUG",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    server, port = serve_on_free_port(lambda port: command(model, port, store), log, ready=_health, seconds=300,
-                                      what="vllm serve", cwd=ROOT, env=environment)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_process_group(server)
+    with scratch_directory() as scratch:  # its sockets and rendezvous files, removed with it
+        server, port = serve_on_free_port(lambda port: command(model, port, store), log, ready=_health,
+                                          seconds=300, what="vllm serve", cwd=ROOT,
+                                          env={**environment, "TMPDIR": scratch})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_process_group(server)
 
 
 def complete(base: str, tokens: list[int], **options: Any) -> dict[str, Any]:
