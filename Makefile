@@ -7,6 +7,12 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+# pytest's workers: two, as this project's machines have two cores and most tests are single-threaded (interpreters,
+# engine start-up); make test gives a stage that runs beside another one (WORKERS=1). Tests are handed out one at a
+# time as workers free (the slowest collected first, tests/conftest.py's SLOW_FIRST), not in chunks that leave one
+# worker with every server test while the other idles (it did: a vLLM stage of 8:16 became 5:41).
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist load --maxschedchunk 1
 # Where the tests of environment $(1) keep compiled kernels, in .cache/: numba's, one folder per numba release (by
 # default they would share src/'s __pycache__, where each environment of another release discards the others'
 # kernels and compiles them again), and torch inductor's (vLLM's sampler in the servers the tests start, which
@@ -94,7 +100,7 @@ $$(VLLM$(1)_VENV)/.installed: pyproject.toml tests/integrations/vllm/cpu_require
 
 # The connector's tests against this line's real Scheduler and fake caches.
 test-vllm$(1): $$(VLLM$(1)_VENV)/.installed redis-server
-	$$(call KERNEL_CACHES,$$(VLLM$(1)_VENV)) $$(VLLM$(1)_VENV)/bin/pytest -n 2 --durations=4 $$(SCHEDULER_TESTS)
+	$$(call KERNEL_CACHES,$$(VLLM$(1)_VENV)) $$(VLLM$(1)_VENV)/bin/pytest $$(XDIST) --durations=4 $$(SCHEDULER_TESTS)
 endef
 $(foreach line,$(SCHEDULER_VLLM),$(eval $(call scheduler_environment,$(line))))
 
@@ -114,7 +120,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml tests/integrations/sglang/cpu_requirem
 	touch $@
 
 test-sglang: $(SGLANG_VENV)/.installed redis-server
-	$(call KERNEL_CACHES,$(SGLANG_VENV)) $(SGLANG_VENV)/bin/pytest -n 2 --durations=4 tests/integrations/sglang
+	$(call KERNEL_CACHES,$(SGLANG_VENV)) $(SGLANG_VENV)/bin/pytest $(XDIST) --durations=4 tests/integrations/sglang
 
 .PHONY: setup demo test test-lint test-main test-vllm test-vllm-engines test-soak $(SCHEDULER_VLLM:%=test-vllm%) \
 	test-sglang test-transformers-oldest test-latest lock bench soak redis-server gpu-check
@@ -144,16 +150,14 @@ test-lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Two pytest workers: most tests are single-threaded (interpreters, engine start-up) and this
-# machine has two cores.
 test-main: $(VENV)/.installed redis-server
-	$(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest -n 2 --durations=8
+	$(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest $(XDIST) --durations=8
 
 # The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
 test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(BIN)/python -c "import transformers as t; \
 		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
-	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest -n 2 --durations=4 \
+	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest $(XDIST) --durations=4 \
 		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py \
 		tests/integrations/transformers/test_reply_saves.py
 
@@ -174,11 +178,11 @@ lock:
 		.venv-latest-vllm033:locks/vllm033.txt .venv-latest-vllm034:locks/vllm034.txt .venv-latest-sglang:locks/sglang.txt
 
 # The connector's tests, in the vLLM environment: vLLM's real scheduler, and engines end to end (sixteen tests
-# of 20-120 s each hold most of its time: collected first, tests/conftest.py's SLOW_FIRST, and dealt out to both
-# workers as each frees); then the soak's quick version alone (two servers and a cluster want both cores).
+# of 10-100 s each hold most of its time); then the soak's quick version alone (two servers and a cluster want
+# both cores).
 test-vllm: test-vllm-engines test-soak
 test-vllm-engines: $(VLLM_VENV)/.installed redis-server
-	$(call KERNEL_CACHES,$(VLLM_VENV)) $(VLLM_BIN)/pytest -n 2 --dist load --durations=8 tests/integrations/vllm \
+	$(call KERNEL_CACHES,$(VLLM_VENV)) $(VLLM_BIN)/pytest $(XDIST) --durations=8 tests/integrations/vllm \
 		--ignore=tests/integrations/vllm/test_soak.py
 test-soak: $(VLLM_VENV)/.installed redis-server
 	$(call KERNEL_CACHES,$(VLLM_VENV)) $(VLLM_BIN)/pytest --durations=1 tests/integrations/vllm/test_soak.py

@@ -15,7 +15,7 @@ from tests.support.stages import Stage
 # A stand-in for make: "make -s --no-print-directory TARGET" sleeps and exits as the target's name says.
 FAKE_MAKE = """#!/bin/sh
 target="$3"
-echo "running $target"
+echo "running $target $4"
 case "$target" in
   slow-*) sleep 1.5 ;;
 esac
@@ -40,8 +40,10 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: tuple[tuple[Sta
 
 def test_a_groups_stages_run_at_once_and_each_ones_time_is_in_the_table(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    groups = ((Stage("first", "slow-one", "a"), Stage("second", "slow-two", "b")), (Stage("third", "quick", "c"),))
+    groups = ((Stage("first", "slow-one", "a"), Stage("second", "slow-two", "b", workers=1)),
+              (Stage("third", "quick", "c"),))
     code, out, seconds = run(tmp_path, monkeypatch, groups, capfd)
+    assert "running slow-two WORKERS=1" in out  # a stage's own number of pytest workers, as a make variable
     assert code == 0
     assert seconds < 2.9  # the two slow stages (1.5 s each) at once
     table = out[out.index("make test: each stage's time"):].splitlines()
@@ -49,6 +51,7 @@ def test_a_groups_stages_run_at_once_and_each_ones_time_is_in_the_table(
     assert set(rows) == {"first", "second", "third"}
     assert 1.0 <= float(rows["first"][1]) < 2.5 and float(rows["third"][1]) < 1.0
     assert all("passed" in row for row in rows.values())
+    assert rows["second"][3:6] == ["make", "slow-two", "WORKERS=1"]
     assert table[5].startswith("test time")
     # The group's other stage wrote to a log, printed once the first had ended.
     assert out.index("slow-one done") < out.index("==> second (passed):") < out.index("slow-two done")
