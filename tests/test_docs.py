@@ -111,6 +111,27 @@ def recipe(makefile: str, target: str) -> str:
     return found.group(1)
 
 
+def test_the_readme_names_every_stage_and_its_command() -> None:
+    """The README's table of ``make test``'s stages is the stage runner's: every stage, in its group, with the
+    command that runs it alone; and the test time it states is the groups' times added up, within 15 minutes."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = readme.index("<!-- stages: tests/test_docs.py::test_the_readme_names_every_stage_and_its_command -->")
+    rows = []
+    for line in readme[start + 3:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    *listed, total = rows
+    expected = [(str(number), stage.name, f"`{' '.join(['make', *stage.command([])])}`", stage.what)
+                for number, group in enumerate(stages.GROUPS, 1) for stage in group]
+    assert [(group, name, command, what) for group, name, command, _, what in listed] == expected
+    seconds = {(group, name): int(row_seconds) for group, name, _, row_seconds, _ in listed}
+    slowest_of_each_group = sum(max(time for (group, _), time in seconds.items() if group == str(number))
+                                for number in range(1, len(stages.GROUPS) + 1))
+    assert total[1:3] == ["**test time**", "`make test`"]
+    assert slowest_of_each_group <= int(total[3]) <= 15 * 60
+
+
 def test_the_demo_prints_its_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The demo, at a fifth of its size: the table the README shows, each row reusing the shared prefix and
     answering as recomputing does."""
