@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -63,12 +62,10 @@ from benchmarks.soak.report import (
     hits_back_after,
     steady_share_of,
 )
-from tests.support.paths import ROOT
-from tests.support.ports import serve_on_free_port
+from benchmarks.support.vllm_serve import VllmServer
 from tests.support.servers import running_cluster
 
 CHUNK = 64
-RESTART_NICENESS = -10
 TAIL_SECONDS = 40.0  # the run goes on at least this long after the last fault's hits are back (--quick: 15)
 TIER_MIB, TIER_BUDGET_MIB = 96, 64  # each file tier's tmpfs, and the store's budget in it
 CLUSTER_MAXMEMORY = 256 << 20
@@ -78,22 +75,8 @@ MODELS = {"llama": "llama", "hybrid": "gemma3"}
 KV_MIB = {"llama": 3, "hybrid": 5}
 
 
-class Server:
-    """One ``vllm serve`` in a process group of its own, started (and started again) on demand."""
-
-    def __init__(self, name: str, model: Path, store: list[str], directory: Path, kv_bytes: int,
-                 cpus: list[int]) -> None:
-        self.name, self.model, self.store, self.directory = name, model, store, directory
-        self.kv_bytes, self.cpus = kv_bytes, cpus
-        self.port = 0  # each start's own
-        self.process: subprocess.Popen[bytes] | None = None
-        self.incarnation = 0
-        self.up = threading.Event()
-        self.started_at = 0.0
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class Server(VllmServer):
+    """One of the soak's two servers: its model on a file tier in front of the cluster, answers with logprobs."""
 
     def command(self, port: int) -> list[str]:
         connector = {"kv_connector": "KVGroupsConnector", "kv_connector_module_path": "kvgroups.integrations.vllm",
@@ -104,70 +87,6 @@ class Server:
                 "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--max-model-len", "2048",
                 "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--enable-prompt-tokens-details",
                 "--kv-cache-memory-bytes", str(self.kv_bytes), "--kv-transfer-config", json.dumps(connector)]
-
-    def start(self) -> None:
-        # Each server on CPUs of its own: left to bind itself, every vLLM CPU engine pins its worker to the
-        # first CPU, and a server started again beside a busy one waits minutes there for its turn.
-        # No VLLM_CPU_KVCACHE_SPACE: set, it overrides --kv-cache-memory-bytes on vLLM's CPU platform, and a
-        # KV space of 1 GiB kept every conversation in vLLM's own prefix cache (the store served almost nothing).
-        environment = {name: value for name, value in os.environ.items() if name != "VLLM_CPU_KVCACHE_SPACE"}
-        self.incarnation += 1
-        # Its sockets and rendezvous files in the soak's directory (removed at the end), not left in /tmp.
-        scratch = self.directory / f"{self.name}-{self.incarnation}-tmp"
-        scratch.mkdir()
-        environment.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, self.cpus)), TMPDIR=str(scratch),
-                           PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-        # Started again beside the other server's busy engine on a small machine, a server gets a few per cent
-        # of a CPU and takes many minutes to start: it starts ahead of the other (as on a machine of its own),
-        # then serves at the same priority.
-        ahead = ["nice", "-n", str(RESTART_NICENESS)] if self.incarnation > 1 else []
-
-        def started(process: subprocess.Popen[bytes]) -> None:
-            self.process = process
-            if ahead:
-                self._autogroup_niceness(RESTART_NICENESS)
-
-        # A port of its own each start: the one it had may have been taken while it was down.
-        process, self.port = serve_on_free_port(
-            lambda port: [*ahead, *self.command(port)], self.directory / f"{self.name}-{self.incarnation}.log",
-            ready=self._healthy, seconds=600, what=f"{self.name}'s vllm serve", started=started, cwd=ROOT,
-            env=environment)
-        self.process = process
-        os.setpriority(os.PRIO_PGRP, process.pid, 0)  # every thread of every process in its group
-        self._autogroup_niceness(0)
-        self.started_at = time.monotonic()
-        self.up.set()
-
-    def _healthy(self, port: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
-    def _autogroup_niceness(self, niceness: int) -> None:
-        """Where the kernel groups each session's threads (sched_autogroup), the group's niceness is what
-        shares the CPUs between the servers; a process's own is only felt inside its group."""
-        if self.process is not None:
-            with contextlib.suppress(OSError):
-                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(niceness))
-
-    def kill(self) -> None:
-        self.up.clear()
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=60)
-
-    def stop(self) -> None:
-        self.up.clear()
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=60)
 
     def complete(self, tokens: list[int], timeout: float, **extra: Any) -> dict[str, Any]:
         body = json.dumps({"model": self.name, "prompt": tokens, "max_tokens": 8, "temperature": 0, "logprobs": 2,

@@ -38,8 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.soak.run import Server
 from benchmarks.support import models
+from benchmarks.support.vllm_serve import VllmServer
 from kvgroups.integrations.vllm.pd_proxy import prefill_body
 
 # Per model: how it is saved and its engine's options (the hybrid under vLLM's defaults: prefix cache on).
@@ -49,8 +49,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen3-next-like": {"save": models.save_qwen3_next_like, "chunk": None, "exact": False,
                         "options": ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32"]},
 }
-class RoleServer(Server):
-    """A ``vllm serve`` of one P/D role (soak.Server's process handling), on CPUs of its own."""
+class RoleServer(VllmServer):
+    """A ``vllm serve`` of one P/D role, on CPUs of its own."""
 
     def __init__(self, name: str, model: Path, store: str, directory: Path, cpus: list[int], role: str,
                  settings: dict[str, Any]) -> None:
