@@ -126,7 +126,7 @@ def start_on_free_ports(start: Callable[[list[int]], T], count: int = 1, *, bus_
 
 def stop_process_group(process: subprocess.Popen[bytes], grace_seconds: float = 30.0) -> None:
     """SIGINT to the process group a server leads (its engine, its workers), SIGKILL to what is left after
-    ``grace_seconds``; reaped."""
+    ``grace_seconds``; returns once no process of the group runs (the leader reaped)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -134,6 +134,25 @@ def stop_process_group(process: subprocess.Popen[bytes], grace_seconds: float = 
     with contextlib.suppress(ProcessLookupError):  # the leader gone, its children may not be
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=grace_seconds)
+    # A signal is delivered when its process next runs: on a loaded machine a child the SIGKILL was sent to
+    # can still be running here (a background child of a shell ignores the SIGINT).
+    deadline = time.monotonic() + grace_seconds
+    while group_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_members(group: int) -> list[int]:
+    """The processes of process group ``group`` that have not exited (zombies left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state, _, process_group = (entry / "stat").read_text().rsplit(") ", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(process_group) == group and state != "Z":
+                found.append(int(entry.name))
+    return found
 
 
 def serve_on_free_port(command: Callable[[int], list[str]], log: Path, *, ready: Callable[[int], bool],
