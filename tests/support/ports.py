@@ -125,10 +125,14 @@ def start_on_free_ports(start: Callable[[list[int]], T], count: int = 1, *, bus_
 
 
 def stop_process_group(process: subprocess.Popen[bytes], grace_seconds: float = 30.0) -> None:
-    """SIGINT to the process group a server leads (its engine, its workers), SIGKILL to what is left after
-    ``grace_seconds``; returns once no process of the group runs (the leader reaped)."""
+    """SIGINT to the process group a server leads (its engine, its workers), or SIGTERM where the server ignores
+    SIGINT; SIGKILL to what is left after ``grace_seconds``; returns once no process of the group runs (the
+    leader reaped)."""
+    # A job a non-interactive shell starts in the background (`make test &` in a script, a CI runner's step)
+    # ignores SIGINT, and so does every process it starts: a server that leaves SIGINT to Python's default
+    # (the P/D router, http.server) would then wait out the grace and be killed.
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGINT)
+        os.killpg(process.pid, signal.SIGTERM if ignores_sigint(process.pid) else signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_seconds)
     with contextlib.suppress(ProcessLookupError):  # the leader gone, its children may not be
@@ -139,6 +143,16 @@ def stop_process_group(process: subprocess.Popen[bytes], grace_seconds: float = 
     deadline = time.monotonic() + grace_seconds
     while group_members(process.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask in /proc); False where it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
+    return bool(int(ignored, 16) >> (signal.SIGINT - 1) & 1)
 
 
 def group_members(group: int) -> list[int]:

@@ -4,6 +4,7 @@ start whose port is taken under it goes on with other ports, leaving nothing beh
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support import ports
-from tests.support.ports import PortTakenError, serve_on_free_port, stop_process_group
+from tests.support.ports import PortTakenError, ignores_sigint, serve_on_free_port, stop_process_group
 from tests.support.servers import Cluster, Server, installed_server
 
 
@@ -219,3 +220,21 @@ def test_a_process_start_that_fails_anyway_leaves_no_process_behind(tmp_path: Pa
     finally:
         for holder in held:
             holder.close()
+
+
+@pytest.mark.parametrize("sigint", ["taken", "ignored"])
+def test_a_server_is_stopped_by_the_signal_it_takes_not_left_to_the_kill(sigint: str) -> None:
+    """SIGINT where the server takes it; where it ignores SIGINT (everything a non-interactive shell's background
+    job starts does), SIGTERM: never the grace waited out and SIGKILL."""
+    handler = "signal.SIG_IGN" if sigint == "ignored" else "signal.default_int_handler"
+    code = f"import signal, time; signal.signal(signal.SIGINT, {handler}); print('up', flush=True); time.sleep(600)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == b"up\n"
+        assert ignores_sigint(process.pid) == (sigint == "ignored")
+        stop_process_group(process, grace_seconds=60)
+        assert process.returncode == (-signal.SIGTERM if sigint == "ignored" else -signal.SIGINT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
