@@ -10,11 +10,10 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from tests.support.paths import ROOT
-from tests.support.ports import serve_on_free_port
+from tests.support.ports import health_answered, serve_on_free_port, stop_process_group
 
 RESTART_NICENESS = -10
 
@@ -66,20 +65,13 @@ class VllmServer:
         # A port of its own each start: the one it had may have been taken while it was down.
         process, self.port = serve_on_free_port(
             lambda port: [*ahead, *self.command(port)], self.directory / f"{self.name}-{self.incarnation}.log",
-            ready=self._healthy, seconds=600, what=f"{self.name}'s vllm serve", started=started, cwd=ROOT,
+            ready=health_answered, seconds=600, what=f"{self.name}'s vllm serve", started=started, cwd=ROOT,
             env=environment)
         self.process = process
         os.setpriority(os.PRIO_PGRP, process.pid, 0)  # every thread of every process in its group
         self._autogroup_niceness(0)
         self.started_at = time.monotonic()
         self.up.set()
-
-    def _healthy(self, port: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
 
     def _autogroup_niceness(self, niceness: int) -> None:
         """Where the kernel groups each session's threads (sched_autogroup), the group's niceness is what
@@ -97,10 +89,5 @@ class VllmServer:
 
     def stop(self) -> None:
         self.up.clear()
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=60)
+        if self.process is not None:
+            stop_process_group(self.process, grace_seconds=60)

@@ -19,7 +19,9 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -155,18 +157,41 @@ def ignores_sigint(pid: int) -> bool:
     return bool(int(ignored, 16) >> (signal.SIGINT - 1) & 1)
 
 
-def group_members(group: int) -> list[int]:
-    """The processes of process group ``group`` that have not exited (zombies left out)."""
+@dataclass(frozen=True)
+class RunningProcess:
+    pid: int
+    parent: int
+    group: int
+
+
+def running_processes() -> list[RunningProcess]:
+    """Every process on the machine that has not exited (zombies left out), from /proc."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                state, _, process_group = (entry / "stat").read_text().rsplit(") ", 1)[1].split()[:3]
+                # After the command's name in parentheses (which may hold spaces): state, parent, process group.
+                state, parent, group = (entry / "stat").read_text().rsplit(") ", 1)[1].split()[:3]
             except (OSError, ValueError):
                 continue
-            if int(process_group) == group and state != "Z":
-                found.append(int(entry.name))
+            if state != "Z":
+                found.append(RunningProcess(int(entry.name), int(parent), int(group)))
     return found
+
+
+def group_members(group: int) -> list[int]:
+    """The processes of process group ``group`` that have not exited."""
+    return [process.pid for process in running_processes() if process.group == group]
+
+
+def health_answered(port: int) -> bool:
+    """Whether an HTTP server on ``port`` answers ``/health`` (``vllm serve``'s readiness), not merely accepts a
+    connection there."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def serve_on_free_port(command: Callable[[int], list[str]], log: Path, *, ready: Callable[[int], bool],

@@ -3,6 +3,7 @@ start whose port is taken under it goes on with other ports, leaving nothing beh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -24,31 +25,17 @@ from tests.support.servers import Cluster, Server, installed_server
 def processes_naming(text: str) -> list[int]:
     """The pids of live processes whose command line names ``text``."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                arguments = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = (entry / "stat").read_text().split(") ", 1)[1].split()[0]
-            except OSError:
-                continue
-            if text in arguments and state != "Z":
-                found.append(int(entry.name))
+    for process in ports.running_processes():
+        with contextlib.suppress(OSError):
+            if text in Path(f"/proc/{process.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(process.pid)
     return found
 
 
 def live_children() -> set[int]:
     """This process's children that have not exited (Valkey/Redis retitle themselves: their command lines
     name no directory of the test's)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
-                found.add(int(entry.name))
-    return found
+    return {process.pid for process in ports.running_processes() if process.parent == os.getpid()}
 
 
 def hold(port: int) -> socket.socket:

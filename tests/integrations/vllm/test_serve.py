@@ -26,7 +26,7 @@ import pytest
 
 from kvgroups.store import FileStore
 from tests.support.paths import ROOT
-from tests.support.ports import serve_on_free_port, stop_process_group
+from tests.support.ports import health_answered, serve_on_free_port, stop_process_group
 from tests.support.scratch import scratch_directory
 
 CHUNK = 64
@@ -68,14 +68,6 @@ def hybrid_serve_command(model: Path, port: int, store: str) -> list[str]:
             "--max-model-len", "2048", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(connector)]
 
 
-def _health(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
-
-
 @contextmanager
 def served(model: Path, store: str, log: Path,
            command: Callable[[Path, int, str], list[str]] = serve_command) -> Iterator[str]:
@@ -87,7 +79,7 @@ def served(model: Path, store: str, log: Path,
                    "VLLM_LOGGING_LEVEL": "DEBUG",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     with scratch_directory() as scratch:  # its sockets and rendezvous files, removed with it
-        server, port = serve_on_free_port(lambda port: command(model, port, store), log, ready=_health,
+        server, port = serve_on_free_port(lambda port: command(model, port, store), log, ready=health_answered,
                                           seconds=300, what="vllm serve", cwd=ROOT,
                                           env={**environment, "TMPDIR": scratch})
         try:
