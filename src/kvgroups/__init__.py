@@ -10,6 +10,7 @@ import from here unchanged. The subpackages are the layers, each building on tho
 
 from kvgroups.core.cache_specs import (
     ChunkedLocal,
+    CompressedRows,
     FullAttention,
     LayerCacheSpec,
     LayerKind,
@@ -38,6 +39,7 @@ __all__ = [
     "CacheGeometry",
     "ChunkMismatchError",
     "ChunkedLocal",
+    "CompressedRows",
     "FullAttention",
     "GroupKey",
     "KVGroupsError",

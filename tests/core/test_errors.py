@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvgroups import (
+    CompressedRows,
     FullAttention,
     KVGroupsError,
     KVLayerGroupInfo,
@@ -97,8 +98,11 @@ def test_group_with_bad_types() -> None:
 def test_spec_that_does_not_fit_the_layout() -> None:
     with pytest.raises(KVGroupsError, match=r"layer 0 'l0'.*mla layer cannot be stored in layout flash_attn"):
         build({"l0": meta(2, 4, 16, 2, 8)}, layer_specs={"l0": MLAttention()})
-    with pytest.raises(KVGroupsError, match=r"'m'.*sliding_window layer cannot be stored in layout mla"):
-        build({"m": meta(4, 16, 8)}, layer_specs={"m": SlidingWindow(window_tokens=4)})
+    with pytest.raises(KVGroupsError, match=r"'c'.*compressed layer cannot be stored in layout flash_attn"):
+        build({"c": meta(2, 4, 16, 2, 8)}, layer_specs={"c": CompressedRows(tokens_per_row=4)})
+    # A window of single rows (DeepSeek-V4's K=V head, a compressor's state) is an MLA-layout cache.
+    [group] = build({"m": meta(4, 16, 8)}, layer_specs={"m": SlidingWindow(window_tokens=4)}).kv_layer_groups
+    assert (group.kind.value, group.layout) == ("sliding_window", KVLayout.MLA)
 
 
 def test_specs_for_unknown_layers_or_of_wrong_type() -> None:

@@ -28,6 +28,7 @@ class LayerKind(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_LOCAL = "chunked_local"
     MLA = "mla"
+    COMPRESSED = "compressed"
     RECURRENT = "recurrent"
 
 
@@ -59,14 +60,21 @@ class LayerCacheSpec(Protocol):
         ...
 
     def tokens_needed(self, boundary: int) -> tuple[int, int]:
-        """The token range ``[start, end)`` whose K/V a layer needs to continue after ``boundary`` tokens.
-
-        Empty for a recurrent layer (it needs its state at the boundary instead).
-        """
+        """The tokens ``[start, end)`` whose K/V a layer needs after ``boundary`` (none: a recurrent state)."""
         ...
 
-    def bytes_per_token(self, slot_bytes: int) -> int:
-        """What one more token of context costs a layer whose slot holds ``slot_bytes``."""
+    def bytes_per_token(self, slot_bytes: int) -> float:
+        """What one more token of context costs a layer whose slot holds ``slot_bytes`` (a fraction where
+        one slot serves several tokens: an int otherwise)."""
+        ...
+
+    def slot_range(self, start: int, end: int) -> tuple[int, int]:
+        """The slots ``[first, last)`` the tokens ``[start, end)`` completed (the tokens themselves, or the
+        compressed rows whose last token lies among them)."""
+        ...
+
+    def chunk_slots(self, num_tokens: int) -> int:
+        """Slots a stored chunk of ``num_tokens`` tokens has room for (one state for a recurrent layer)."""
         ...
 
     def bytes_per_sequence(self, slot_bytes: int) -> int:
@@ -109,7 +117,7 @@ class _TokenCache:
     def accepts_layout(self, layout: KVLayout) -> bool:
         return layout.holds_kv
 
-    def bytes_per_token(self, slot_bytes: int) -> int:
+    def bytes_per_token(self, slot_bytes: int) -> float:
         return slot_bytes
 
     def bytes_per_sequence(self, slot_bytes: int) -> int:
@@ -118,17 +126,28 @@ class _TokenCache:
     def tokens_needed(self, boundary: int) -> tuple[int, int]:
         return 0, boundary
 
+    def slot_range(self, start: int, end: int) -> tuple[int, int]:
+        return start, end
 
-@_registered
-@dataclass(frozen=True, kw_only=True)
-class FullAttention(_TokenCache):
-    """Keys and values of every token of the sequence."""
+    def chunk_slots(self, num_tokens: int) -> int:
+        return num_tokens
 
-    kind: ClassVar[LayerKind] = LayerKind.FULL_ATTENTION
+
+class _EveryToken(_TokenCache):
+    """What the kinds that keep every token of a sequence share."""
+
     keeps_every_token: ClassVar[bool] = True
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return context_tokens
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class FullAttention(_EveryToken):
+    """Keys and values of every token of the sequence."""
+
+    kind: ClassVar[LayerKind] = LayerKind.FULL_ATTENTION
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value}
@@ -148,6 +167,10 @@ class SlidingWindow(_TokenCache):
 
     def __post_init__(self) -> None:
         _positive_int("SlidingWindow", "window_tokens", self.window_tokens)
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        # A window of single rows too: one K=V head (DeepSeek-V4), a compressor's per-token state.
+        return layout.holds_kv or layout is KVLayout.MLA
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         # The window rarely starts on a block boundary, so one more block stays partly live.
@@ -193,17 +216,13 @@ class ChunkedLocal(_TokenCache):
 
 @_registered
 @dataclass(frozen=True, kw_only=True)
-class MLAttention(_TokenCache):
+class MLAttention(_EveryToken):
     """One compressed latent (plus its rope part) per token, shared by keys and values."""
 
     kind: ClassVar[LayerKind] = LayerKind.MLA
-    keeps_every_token: ClassVar[bool] = True
 
     def accepts_layout(self, layout: KVLayout) -> bool:
         return layout is KVLayout.MLA
-
-    def tokens_held(self, context_tokens: int, block_size: int) -> int:
-        return context_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value}
@@ -211,6 +230,42 @@ class MLAttention(_TokenCache):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MLAttention:
         return cls()
+
+
+@_registered
+@dataclass(frozen=True, kw_only=True)
+class CompressedRows(_EveryToken):
+    """One row per window of ``tokens_per_row`` tokens (DeepSeek-V4's compressed entries, its indexer's keys):
+    row ``k`` sums up tokens ``[k * tokens_per_row, (k + 1) * tokens_per_row)`` once the last of them was
+    computed (a window not complete yet lives in the compressor's boundary state). Where the engine packs
+    a row into bytes (``fp8_ds_mla``) it is moved as bytes."""
+
+    kind: ClassVar[LayerKind] = LayerKind.COMPRESSED
+    tokens_per_row: int
+
+    def __post_init__(self) -> None:
+        _positive_int("CompressedRows", "tokens_per_row", self.tokens_per_row)
+
+    def accepts_layout(self, layout: KVLayout) -> bool:
+        return layout is KVLayout.MLA
+
+    def bytes_per_token(self, slot_bytes: int) -> float:
+        rows, remainder = divmod(slot_bytes, self.tokens_per_row)
+        return rows if remainder == 0 else slot_bytes / self.tokens_per_row
+
+    def slot_range(self, start: int, end: int) -> tuple[int, int]:
+        return start // self.tokens_per_row, end // self.tokens_per_row
+
+    def chunk_slots(self, num_tokens: int) -> int:
+        # A chunk that is no multiple of the rows' tokens completes one row more or less: room for the most.
+        return -(-num_tokens // self.tokens_per_row)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "tokens_per_row": self.tokens_per_row}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompressedRows:
+        return cls(tokens_per_row=data["tokens_per_row"])
 
 
 @_registered
@@ -229,15 +284,11 @@ class RecurrentState:
 
     def __post_init__(self) -> None:
         if not isinstance(self.state_shapes, tuple) or not self.state_shapes:
-            raise KVGroupsError(
-                f"RecurrentState.state_shapes must be a non-empty tuple of shapes, "
-                f"got {self.state_shapes!r}"
-            )
+            raise KVGroupsError(f"RecurrentState.state_shapes must be a non-empty tuple of shapes, "
+                                f"got {self.state_shapes!r}")
         for shape in self.state_shapes:
             if not isinstance(shape, tuple) or not shape:
-                raise KVGroupsError(
-                    f"RecurrentState.state_shapes entries must be non-empty tuples, got {shape!r}"
-                )
+                raise KVGroupsError(f"RecurrentState.state_shapes entries must be non-empty tuples, got {shape!r}")
             for dim in shape:
                 _positive_int("RecurrentState", "state_shapes", dim)
 
@@ -251,7 +302,7 @@ class RecurrentState:
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return 0
 
-    def bytes_per_token(self, slot_bytes: int) -> int:
+    def bytes_per_token(self, slot_bytes: int) -> float:
         return 0
 
     def bytes_per_sequence(self, slot_bytes: int) -> int:
@@ -259,6 +310,12 @@ class RecurrentState:
 
     def tokens_needed(self, boundary: int) -> tuple[int, int]:
         return boundary, boundary
+
+    def slot_range(self, start: int, end: int) -> tuple[int, int]:
+        return 0, 1  # the one state, at the end
+
+    def chunk_slots(self, num_tokens: int) -> int:
+        return 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "state_shapes": [list(s) for s in self.state_shapes]}

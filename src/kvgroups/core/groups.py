@@ -248,8 +248,9 @@ class KVLayerGroupInfo:
         return self.geometry.slot_elements * self.dtype.itemsize
 
     @property
-    def bytes_per_token(self) -> int:
-        """What one more token of context costs all layers of the group (0 for recurrent state)."""
+    def bytes_per_token(self) -> float:
+        """What one more token of context costs all layers of the group (0 for recurrent state; a fraction
+        for compressed rows, one per several tokens)."""
         return self.spec.bytes_per_token(self.slot_bytes) * self.num_layers
 
     @property
@@ -258,14 +259,19 @@ class KVLayerGroupInfo:
         return self.spec.bytes_per_sequence(self.slot_bytes) * self.num_layers
 
     def chunk_shape(self, num_tokens: int, num_states: int = 1) -> torch.Size:
-        """``[kv_size, num_layers, num_tokens, hidden_dim_size]`` of a stored chunk.
+        """``[kv_size, num_layers, num_tokens, hidden_dim_size]`` of a stored chunk of ``num_tokens`` tokens.
 
-        A recurrent group stores states, not tokens: ``[1, num_layers, num_states,
+        A group of compressed rows stores the rows the chunk completes (room for ``ceil(num_tokens /
+        tokens_per_row)``). A recurrent group stores states, not tokens: ``[1, num_layers, num_states,
         state_elements]``, one state per sequence (a stored chunk holds one). A group whose values
         have a head size of their own stores no padding: ``[1, num_layers, num_tokens,
         hidden_dim_size + value_hidden_dim_size]``, each token's row its keys then its values.
         """
-        rows = num_tokens if self.spec.token_indexed else num_states
+        return self.slots_shape(self.spec.chunk_slots(num_tokens), num_states)
+
+    def slots_shape(self, num_slots: int, num_states: int = 1) -> torch.Size:
+        """What :meth:`chunk_shape` says for ``num_slots`` slots (tokens; compressed rows) moved at once."""
+        rows = num_slots if self.spec.token_indexed else num_states
         if self.value_head_size is not None:
             return torch.Size([1, self.num_layers, rows, self.geometry.slot_elements])
         return torch.Size([self.kv_size, self.num_layers, rows, self.hidden_dim_size])

@@ -150,7 +150,7 @@ class KVTransfer:
         copy; the caches are only read.
         """
         call = self._check_call(slot_mapping, start, end, state_indices, distinct=False)
-        shapes = [group.chunk_shape(call.num_tokens, call.num_states) for group in self.groups]
+        shapes = [group.slots_shape(call.num_tokens, call.num_states) for group in self.groups]
         if out is None:
             results = [self._pool.empty(shape, group.dtype) for group, shape in zip(self.groups, shapes, strict=True)]
             self._move(call, results, scatter=False)
@@ -209,7 +209,7 @@ class KVTransfer:
             count = len(chunk_list) if chunk_list is not None else type(chunks).__name__
             raise ChunkMismatchError(f"got {count} chunks for {len(self.groups)} groups; pass one per group")
         for index, (group, chunk) in enumerate(zip(self.groups, chunk_list, strict=True)):
-            self._check_chunk(index, chunk, group.chunk_shape(call.num_tokens, call.num_states), "chunk")
+            self._check_chunk(index, chunk, group.slots_shape(call.num_tokens, call.num_states), "chunk")
         copies = Staging(self.device)
         staged = [copies.on_device(chunk) for chunk in chunk_list]
         self._move(call, staged, scatter=True)
