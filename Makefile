@@ -79,7 +79,8 @@ SCHEDULER_TESTS := tests/integrations/vllm/test_connector_unit.py tests/integrat
 	tests/integrations/vllm/test_stats_unit.py tests/integrations/vllm/test_connector_stats.py \
 	tests/integrations/vllm/test_copy_discipline.py tests/integrations/vllm/test_kv_events.py \
 	tests/integrations/vllm/test_align_mode.py tests/integrations/vllm/test_early_loads.py \
-	tests/integrations/vllm/test_handover.py tests/integrations/vllm/test_decode_saves.py
+	tests/integrations/vllm/test_handover.py tests/integrations/vllm/test_decode_saves.py \
+	tests/integrations/vllm/test_deepseek_v4_specs.py
 VLLM033_VENV ?= .venv-vllm033
 VLLM034_VENV ?= .venv-vllm034
 VLLM_LINE = 0.$(patsubst 0%,%,$(1)).*
@@ -159,7 +160,7 @@ test-transformers-oldest: $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed
 		assert t.__version__ == '$(TRANSFORMERS_OLDEST)', t.__version__; print('transformers', t.__version__)"
 	PYTHONPATH=$(VENV)/transformers-$(TRANSFORMERS_OLDEST) $(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest $(XDIST) --durations=4 \
 		tests/integrations/transformers/test_reuse.py tests/integrations/transformers/test_reserved_layers.py \
-		tests/integrations/transformers/test_reply_saves.py
+		tests/integrations/transformers/test_reply_saves.py tests/integrations/transformers/test_deepseek_v4.py
 
 # The same suites on the newest releases pip resolves today (no lock), in environments of their own: how a new
 # release is found before a user finds it. It prints the versions it got, and any vLLM newer than the extra admits.

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvgroups.core.cache_specs import ChunkedLocal, SlidingWindow
+from kvgroups.models.compressed_layers import CompressedAttentionLayer
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.layers import (
     AttentionLayer,
@@ -89,6 +90,9 @@ def ours(layer: ModelLayer) -> tuple[Any, ...]:
         return "kimi_delta", layer.num_heads, layer.head_dim, layer.conv_kernel
     if isinstance(layer, ParallelLayer):
         return tuple(ours(mixer) for mixer in layer.mixers)
+    if isinstance(layer, CompressedAttentionLayer):
+        return ("compressed", layer.compress_ratio, layer.sparse, layer.head_dim, layer.rope_dim, layer.window_tokens,
+                layer.index_head_dim)
     assert isinstance(layer, NoCacheLayer)
     return ("none",)
 
@@ -147,6 +151,9 @@ def theirs(text: Any) -> list[tuple[Any, ...]]:
                 if index in text.cross_attention_layers else _attention(text, index, "full_attention")
                 for index in range(count)]
     layer_types = getattr(text, "layer_types", None)
+    if text.model_type == "deepseek_v4":  # DeepseekV4Config turns compress_ratios into layer_types and compress_rates
+        return [("compressed", text.compress_rates.get(kind, 1), kind == "compressed_sparse_attention", text.head_dim,
+                 text.qk_rope_head_dim, text.sliding_window, text.index_head_dim) for kind in layer_types]
     if getattr(text, "kv_lora_rank", None) and not layer_types:
         return [("mla", text.kv_lora_rank, text.qk_rope_head_dim)] * count
     if layer_types is None:

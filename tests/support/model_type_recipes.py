@@ -67,6 +67,11 @@ WINDOW = 16
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
               mamba_chunk_size=16)
 OVERRIDES: dict[str, dict[str, Any]] = {
+    # Every kind of layer, and ratios that complete windows in the sweep's prompts: CSA's 4 divides its chunks of 8
+    # tokens, HCA's 16 does not (a window spans two chunks: restored from the boundary's buffer).
+    "deepseek_v4": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}),
     # --- from tests/support/tiny_models.py (verified types) ---
     "qwen2": dict(use_sliding_window=True, max_window_layers=2,
                   layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"]),
@@ -164,6 +169,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 # Size "b" overrides where a type's own override fixes a number that size "b" changes.
 OVERRIDES_B: dict[str, dict[str, Any]] = {
+    "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
     # its rotary dims must fit the indexer's head
     "qwen4_exp_text": dict(indexer_head_dim=24),
     # differential attention splits the values over an even number of KV heads

@@ -129,6 +129,8 @@ def _layer_entries(layer: Any) -> list[Entry]:
         indexer = getattr(layer, "indexer_keys", None)
         if indexer is not None:
             entries.append(("indexer", indexer.shape[-1], _dtype(indexer)))
+        for rows in (getattr(layer, "compressed_kv", None) or {}).values():  # DeepSeek-V4's compressors
+            entries.append(("compressed", layer.compress_rate, rows.shape[-1], _dtype(rows)))
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         for state in range(layer.number_of_states):
             for role, tensors in (("conv", layer.conv_states), ("state", layer.recurrent_states)):
@@ -142,6 +144,7 @@ def expected(config: dict[str, Any]) -> list[list[Entry]]:
     """Per layer inspect reads from ``config``, the entries it would hold in a transformers cache."""
     from kvgroups.core.cache_specs import ChunkedLocal, SlidingWindow
     from kvgroups.models.cache_dtypes import resolve_dtypes
+    from kvgroups.models.compressed_layers import CompressedAttentionLayer
     from kvgroups.models.configs import model_spec_from_config
     from kvgroups.models.layers import (
         AttentionLayer,
@@ -163,6 +166,14 @@ def expected(config: dict[str, Any]) -> list[list[Entry]]:
             return [("none",)]
         if isinstance(layer, CrossAttentionLayer):
             return [("empty",)]  # a text-only forward writes nothing into a cross-attention layer
+        if isinstance(layer, CompressedAttentionLayer):  # transformers keeps it in the model's dtype, unpacked
+            dtype = spec.torch_dtype
+            kept: list[Entry] = [("kv", 1, layer.head_dim, 1, layer.head_dim, layer.window_tokens, dtype)]
+            if layer.compress_ratio > 1:
+                kept.append(("compressed", layer.compress_ratio, layer.head_dim, dtype))
+            if layer.sparse:
+                kept.append(("compressed", layer.compress_ratio, layer.index_head_dim, dtype))
+            return kept
         if isinstance(layer, AttentionLayer):
             window = (layer.spec.window_tokens if isinstance(layer.spec, SlidingWindow)
                       else layer.spec.chunk_tokens if isinstance(layer.spec, ChunkedLocal) else None)
@@ -220,6 +231,8 @@ def _words(entries: list[Entry]) -> list[str]:
                 f" {entry[-1]}" if entry[-1] != "float32" else ""))
         elif kind == "indexer":
             words.append(f"indexer {entry[1]}")
+        elif kind == "compressed":
+            words.append(f"compressed 1/{entry[1]} {entry[2]}")
         else:
             words.append(kind)
     return words
@@ -321,8 +334,6 @@ PREFIX_REASONS: dict[str, str] = {
 # inspect: why a type has no reader (each must still be refused; the test checks it).
 INSPECT_REFUSED: dict[str, str] = {
     "blt": "its caches are built from patcher, encoder, decoder and global sub-configs; no reader",
-    "deepseek_v4": "its compressed attention keeps, per layer, a sliding K=V window, a compressor's partial buffers "
-                   "and its compressed entries: no cache kind here describes them",
     "dory": "its recurrent loops keep a cache per pass (n_recurrent_loops), more caches than layers; no reader",
     "dots3_note_text": "its sliding layers keep MLA latents in a window: no cache kind here for a windowed latent",
     **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text"),

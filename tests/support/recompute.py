@@ -81,13 +81,40 @@ def _every(n: int, kind: str) -> list[str]:
     return [kind] * n
 
 
-def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[int, int]:
+def deepseek_v4(t: dict[str, Any], kv_bytes: int) -> float:
+    """Bytes per token of DeepSeek-V4 in vLLM's pages (every cache replicated over the ranks): per layer its
+    window (blocks of 64), and on a compressed layer of ratio r its rows (blocks of 256 tokens, 256 / r rows)
+    and its compressor's float32 state (blocks of 4 tokens for r = 4, else 8; two series where r = 4), on a
+    ratio-4 layer the indexer's keys (fp8 plus an fp32 scale per 128) and its compressor's state. An 8-bit KV
+    dtype is vLLM's fp8_ds_mla (rows of fp8 values, bf16 RoPE values, a scale per 64 and a spare byte; pages to
+    576 bytes), a 16-bit one its FlashInfer layout (pages to 512)."""
+    layers, head, rope, index = t["num_hidden_layers"], t["head_dim"], t["qk_rope_head_dim"], t["index_head_dim"]
+    align = 576 if kv_bytes == 1 else 512
+    row = (head - rope) + 2 * rope + (head - rope) // 64 + 1 if kv_bytes == 1 else head * kv_bytes
+
+    def page(rows: int, row_bytes: int, tokens: int) -> float:
+        return -(-rows * row_bytes // align) * align / tokens
+
+    total = 0.0
+    for ratio in (max(1, value) for value in t["compress_ratios"][:layers]):
+        total += page(64, row, 64)
+        if ratio > 1:
+            series, block = (2, 4) if ratio == 4 else (1, 8)
+            total += page(256 // ratio, row, 256) + page(block, 2 * series * head * 4, block)
+        if ratio == 4:
+            total += page(64, index + index // 128 * 4, 256) + page(4, 4 * index * 4, 4)
+    return total
+
+
+def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[float, int]:
     """(bytes per token per rank, state bytes per sequence per rank); raises NoSplitError."""
     t = config.get("text_config") or config
     kind = t.get("model_type") or config["model_type"]
     layers = t.get("num_hidden_layers") or t.get("num_layers") or t.get("n_layers")  # exaone, dbrx spell it so
     conv_b, ssm_b = 2, ssm_bytes({**t, "model_type": kind})
     kv = t.get("num_key_value_heads") or t.get("num_attention_heads")
+    if kind == "deepseek_v4":
+        return deepseek_v4(t, kv_bytes), 0
     if kind in ("deepseek_v2", "deepseek_v3"):
         return layers * (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * kv_bytes, 0
     if kind in ("deepseek_v32", "glm_moe_dsa"):

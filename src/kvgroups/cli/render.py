@@ -37,8 +37,12 @@ def kind_text(group: dict[str, Any]) -> str:
         kind = f"sliding({spec['window_tokens']})"
     elif "chunk_tokens" in spec:
         kind = f"chunked({spec['chunk_tokens']})"
+    elif "tokens_per_row" in spec:
+        kind = f"compressed(1/{spec['tokens_per_row']})"
     else:
         kind = str(spec["kind"])
+    if group.get("block_tokens") is not None:  # pages the engine fixes itself, blocks of their own
+        kind += f" [{group['block_tokens']}-token pages of {group['page_bytes']:,} B]"
     return kind if group["holds"] == _USUAL_HOLDS.get(group["kind"]) else f"{kind}: {group['holds']}"
 
 
@@ -74,7 +78,7 @@ def _layers(model_layers: list[int], total_layers: int) -> str:
     return direct
 
 
-def _number(value: int) -> str:
+def _number(value: float) -> str:
     return f"{value:,}"
 
 

@@ -9,6 +9,7 @@ JSON of ``--json``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -34,9 +35,11 @@ class GroupReport:
     holds: str
     values_padded_from: int | None  # the values' own head size, where the layout pads them to the keys'
     chunk_shape: torch.Size
-    bytes_per_token: int
+    bytes_per_token: float  # an int but where one slot serves several tokens (compressed rows)
     bytes_per_sequence: int
     chunk_bytes: int
+    block_tokens: int | None  # tokens a block of the engine's own pages covers (None: --block-size)
+    page_bytes: int | None  # one layer's page in the engine's own pages, padded as it pads them
 
     def to_dict(self, index: int) -> dict[str, Any]:
         group = self.group
@@ -61,6 +64,8 @@ class GroupReport:
             "value_hidden_dim_size": group.value_hidden_dim_size,
             "bytes_per_token": self.bytes_per_token,
             "bytes_per_sequence": self.bytes_per_sequence,
+            "block_tokens": self.block_tokens,
+            "page_bytes": self.page_bytes,
             "chunk_shape": list(self.chunk_shape),
             "chunk_bytes": self.chunk_bytes,
         }
@@ -70,7 +75,8 @@ def costs_of(groups: list[dict[str, Any]], cross_attention: dict[str, Any] | Non
     """What each group (as the JSON report lists it), then the images of cross-attention layers,
     cost per token and per sequence: what capacities and the plot are computed from."""
     costs = [GroupCost(spec=spec_from_dict(group["spec"]), bytes_per_token=group["bytes_per_token"],
-                       bytes_per_sequence=group["bytes_per_sequence"]) for group in groups]
+                       bytes_per_sequence=group["bytes_per_sequence"], block_tokens=group.get("block_tokens"))
+             for group in groups]
     if cross_attention is not None and cross_attention["bytes_per_sequence"]:
         costs.append(GroupCost(spec=None, bytes_per_token=0, bytes_per_sequence=cross_attention["bytes_per_sequence"]))
     return costs
@@ -108,8 +114,8 @@ class Report:
         return self.build.metadata
 
     @property
-    def bytes_per_token_per_rank(self) -> int:
-        return sum(row.bytes_per_token for row in self.groups)
+    def bytes_per_token_per_rank(self) -> float:
+        return exact(sum(row.bytes_per_token for row in self.groups))
 
     @property
     def state_bytes_per_sequence_per_rank(self) -> int:
@@ -201,9 +207,27 @@ def _times(tokens: int | None, sequences: int) -> int | None:
     return None if tokens is None else tokens * sequences
 
 
+def exact(value: float | Fraction) -> float:
+    """``value`` as an int where it is whole (JSON keeps ints as before), else as the float it is (a page over
+    a power-of-two block: exact in binary)."""
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def _page_costs(build: RankBuild, group: KVLayerGroupInfo) -> tuple[float, int | None, int | None]:
+    """Bytes per token of a group in the engine's own pages (each layer's padded page over its block), that
+    block's tokens and one layer's page; the group's own bytes per token where the engine fixes no page."""
+    pages = [build.pages_of.get(name) for name in group.layer_names]
+    if any(page is None for page in pages):
+        return group.bytes_per_token, None, None
+    kinds = {(page.block_tokens, page.page_bytes) for page in pages if page is not None}
+    (block_tokens, page_bytes), = kinds  # equal specs and shapes group together: one page per group
+    return exact(Fraction(page_bytes * group.num_layers, block_tokens)), block_tokens, page_bytes
+
+
 def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
     metadata = build.metadata
     groups = metadata.kv_layer_groups_manager.kv_layer_groups
+    costs = [_page_costs(build, group) for group in groups]
     return tuple(
         GroupReport(
             group=group,
@@ -212,11 +236,14 @@ def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:
             values_padded_from=next((build.padded_values_of[name] for name in group.layer_names
                                      if name in build.padded_values_of), None),
             chunk_shape=chunk_shape,
-            bytes_per_token=group.bytes_per_token,
+            bytes_per_token=per_token,
             bytes_per_sequence=group.bytes_per_sequence,
             chunk_bytes=group.chunk_bytes(metadata.chunk_size),
+            block_tokens=block_tokens,
+            page_bytes=page_bytes,
         )
-        for group, chunk_shape in zip(groups, metadata.get_shapes(), strict=True)
+        for group, chunk_shape, (per_token, block_tokens, page_bytes)
+        in zip(groups, metadata.get_shapes(), costs, strict=True)
     )
 
 

@@ -4,7 +4,8 @@ As in vLLM: keys and values in the KV dtype; conv states in the conv-state dtype
 dtype; SSM states in the SSM-state dtype, else the dtype the config names for them
 (``mamba_ssm_cache_dtype``, ``mamba_ssm_dtype``), else the state dtype; a lightning-attention
 state in the state dtype; every option that is not given falls back to the config's
-``torch_dtype``. A sparse indexer's keys keep their own dtype (uint8) whatever the options.
+``torch_dtype``. A sparse indexer's keys keep their own dtype (uint8) whatever the options. A model whose
+engine packs its rows (DeepSeek-V4 in vLLM: ``fp8_ds_mla``) defaults to that layout's 8-bit KV dtype.
 
 A state dtype is resolved strictly only for a model that keeps a recurrent state: an
 attention-only model whose ``torch_dtype`` cannot hold one (``int8``) has no state dtype (None).
@@ -61,12 +62,23 @@ def _from_config(spec: ModelSpec, allowed: tuple[str, ...], what: str, option: s
     return dtype
 
 
+# The KV dtype of a model whose engine packs its rows (vLLM's fp8_ds_mla for DeepSeek-V4: its KV dtype
+# "auto" is that layout, on FlashMLA, ROCm and the CPU alike).
+PACKED_ROWS_KV_DTYPE = torch.float8_e4m3fn
+
+
+def _packs_rows(spec: ModelSpec) -> bool:
+    return any(cache.packing is not None and cache.packing.packed_row_bytes is not None
+               for index, layer in enumerate(spec.layers) for cache in layer.rank_caches(1, index))
+
+
 def resolve_dtypes(
     spec: ModelSpec, *, kv: torch.dtype | None, state: torch.dtype | None, conv_state: torch.dtype | None,
     ssm_state: torch.dtype | None,
 ) -> CacheDtypes:
     """Every role's dtype; None options fall back as the module says."""
-    kv_dtype = kv or _from_config(spec, KV_CACHE_DTYPES, "a KV cache", "--kv-dtype")
+    kv_dtype = kv or (PACKED_ROWS_KV_DTYPE if _packs_rows(spec) else
+                      _from_config(spec, KV_CACHE_DTYPES, "a KV cache", "--kv-dtype"))
     state_dtype = state or _from_config(spec, STATE_DTYPES, "a recurrent state", "--state-dtype",
                                         required=_has_state(spec))
     if kv_dtype is None:  # required: _from_config raised

@@ -9,6 +9,7 @@ what an engine without a hybrid allocator reserves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,8 +26,9 @@ class GroupCost:
     """What one group costs on one rank."""
 
     spec: LayerCacheSpec | None  # None: a fixed cost per sequence (no tokens)
-    bytes_per_token: int  # all layers of the group together; 0 for recurrent state
+    bytes_per_token: float  # all layers of the group together; 0 for recurrent state
     bytes_per_sequence: int  # recurrent state of all layers of the group; 0 for token caches
+    block_tokens: int | None = None  # the group's own block (an engine that fixes its pages); None: the engine's
 
 
 def memory_needed(
@@ -37,8 +39,10 @@ def memory_needed(
     for cost in costs:
         if cost.bytes_per_token:
             spec = cost.spec if hybrid and cost.spec is not None else _FULL
-            held = spec.tokens_held(context_tokens, block_size)
-            per_sequence += round_up(held, block_size) * cost.bytes_per_token
+            block = cost.block_tokens or block_size
+            held = spec.tokens_held(context_tokens, block)
+            # Whole blocks: a fraction per token (compressed rows) makes whole bytes per block.
+            per_sequence += math.ceil(round_up(held, block) * cost.bytes_per_token)
         per_sequence += cost.bytes_per_sequence
     return per_sequence * num_sequences
 

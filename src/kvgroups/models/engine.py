@@ -25,10 +25,10 @@ from kvgroups.core.checks import is_int_at_least
 from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.core.metadata import LMCacheMetadata
-from kvgroups.core.sizes import GIB, ceil_div
+from kvgroups.core.sizes import GIB, ceil_div, round_up
 from kvgroups.errors import KVGroupsError
 from kvgroups.models.cache_dtypes import CacheDtypes, resolve_dtypes
-from kvgroups.models.layers import ModelSpec, RankCache
+from kvgroups.models.layers import ModelSpec, RankCache, RowPacking
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +90,20 @@ DIFF_KV_LAYOUT = KVLayout.VLLM
 
 
 @dataclass(frozen=True, kw_only=True)
+class Page:
+    """A page an engine fixes for one layer's cache: ``block_tokens`` tokens in ``page_bytes`` (padded)."""
+
+    block_tokens: int
+    page_bytes: int
+
+
+# Where a model's engine packs its rows (vLLM's fp8_ds_mla for DeepSeek-V4, with an 8-bit KV dtype),
+# every page of the model is padded to this many bytes; otherwise to the other.
+PACKED_PAGE_ALIGNMENT = 576
+PLAIN_PAGE_ALIGNMENT = 512
+
+
+@dataclass(frozen=True, kw_only=True)
 class _LayerPlan:
     """One cache of a layer on this rank: what it is, in which layout, and its sizes per block."""
 
@@ -99,6 +113,7 @@ class _LayerPlan:
     layout: KVLayout
     geometry: CacheGeometry  # num_blocks 1 (token caches) or one state slot per sequence
     dtype: torch.dtype
+    page: Page | None = None  # the engine's own page for this cache, where it fixes one
 
     @property
     def slot_bytes(self) -> int:
@@ -134,6 +149,7 @@ class RankBuild:
     metadata: LMCacheMetadata
     layout: KVLayout  # the attention caches' layout (the one asked for, or the default for the model)
     model_layer_of: dict[str, int]  # cache name -> model layer number
+    pages_of: dict[str, Page]  # cache name -> the engine's own page, where it fixes one
     padded_values_of: dict[str, int]  # cache name -> its values' head size, where the layout pads them
     holds_of: dict[str, str]  # cache name -> what it holds ("mamba2 conv+ssm")
     num_blocks: int
@@ -142,9 +158,28 @@ class RankBuild:
     cross_attention: CrossAttention | None
 
 
+def _packed_plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, packing: RowPacking,
+                 kv_dtype: torch.dtype) -> _LayerPlan:
+    """A cache in pages its engine fixes: blocks of the engine's own tokens, pages padded to the alignment
+    of the model's layout; with an 8-bit KV dtype (vLLM's fp8_ds_mla) rows packed into bytes."""
+    packed_layout = kv_dtype.itemsize == 1
+    head_size = cache.head_size
+    if packed_layout and packing.packed_row_bytes is not None and cache.fixed_dtype is None:
+        dtype, head_size = torch.uint8, packing.packed_row_bytes
+    alignment = PACKED_PAGE_ALIGNMENT if packed_layout else PLAIN_PAGE_ALIGNMENT
+    slots = cache.spec.chunk_slots(packing.block_tokens)
+    geometry = CacheGeometry(kv_size=1, num_blocks=1, block_size=slots, num_heads=1, head_size=head_size)
+    page = Page(block_tokens=packing.block_tokens,
+                page_bytes=round_up(slots * head_size * dtype.itemsize, alignment))
+    return _LayerPlan(name=name, model_layer=index, cache=cache, layout=KVLayout.MLA, geometry=geometry, dtype=dtype,
+                      page=page)
+
+
 def _plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, params: EngineParams,
-          kv_layout: KVLayout) -> _LayerPlan:
+          kv_layout: KVLayout, kv_dtype: torch.dtype) -> _LayerPlan:
     spec = cache.spec
+    if cache.packing is not None:
+        return _packed_plan(name, index, cache, dtype, cache.packing, kv_dtype)
     if not spec.token_indexed:
         layout = KVLayout.RECURRENT
         geometry = CacheGeometry(kv_size=1, num_blocks=params.seqs, block_size=1, num_heads=1,
@@ -180,7 +215,7 @@ def _merged(caches: tuple[RankCache, ...], dtypes: CacheDtypes) -> list[tuple[Ra
 def _names(index: int, caches: list[tuple[RankCache, torch.dtype]]) -> list[str]:
     """``model.layers.N`` for a layer with one cache, else one name per mixer (and part, when a mixer has two)."""
     base = f"model.layers.{index}"
-    if len(caches) == 1:
+    if len(caches) == 1 and caches[0][0].packing is None:
         return [base]
     mixers = [cache.mixer for cache, _ in caches]
     return [
@@ -254,7 +289,7 @@ def build_rank(spec: ModelSpec, model_name: str, params: EngineParams) -> RankBu
         layers_with_cache += bool(caches)
         image_caches += [(index, cache) for cache in caches if cache.tokens_per_image is not None]
         text = _merged(tuple(cache for cache in caches if cache.tokens_per_image is None), dtypes)
-        plans += [_plan(name, index, cache, dtype, params, layout)
+        plans += [_plan(name, index, cache, dtype, params, layout, dtypes.kv)
                   for name, (cache, dtype) in zip(_names(index, text), text, strict=True)]
     if not plans:
         raise KVGroupsError(f"model {model_name!r} has no layer that keeps a cache")
@@ -272,6 +307,7 @@ def build_rank(spec: ModelSpec, model_name: str, params: EngineParams) -> RankBu
     return RankBuild(
         metadata=metadata, layout=layout,
         model_layer_of={plan.name: plan.model_layer for plan in plans},
+        pages_of={plan.name: plan.page for plan in plans if plan.page is not None},
         padded_values_of={plan.name: plan.cache.value_head_size for plan in plans
                           if plan.cache.value_head_size is not None and plan.geometry.value_head_size is None},
         holds_of={plan.name: plan.cache.holds for plan in plans},

@@ -27,6 +27,19 @@ class CacheRole(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RowPacking:
+    """How an engine that fixes its own pages for a cache holds it (vLLM for DeepSeek-V4).
+
+    ``block_tokens`` tokens a block (whatever ``--block-size`` says); pages padded to the engine's
+    alignment for the model's layout; ``packed_row_bytes``: with an 8-bit KV dtype the rows are packed
+    records of this many bytes (``fp8_ds_mla``), held as uint8 and moved as bytes.
+    """
+
+    block_tokens: int
+    packed_row_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankCache:
     """One cache of one layer on one tensor-parallel rank.
 
@@ -48,6 +61,7 @@ class RankCache:
     mixer: str = "attention"
     part: str = "k/v"
     tokens_per_image: int | None = None
+    packing: RowPacking | None = None  # pages the engine fixes itself (None: --block-size, unpadded)
 
     @property
     def holds(self) -> str:

@@ -38,8 +38,6 @@ def tiny(model_type: str, **changes: Any) -> Any:
 
 
 @pytest.mark.parametrize(("model_type", "message"), [
-    ("deepseek_v4", r"cache layer 0 is a DeepseekV4HCACache \(a DynamicSlidingWindowLayer that keeps state of its "
-                    r"own\), which kvgroups cannot store"),
     ("cpmant", r"cache layer 0 holds 33 positions after a one-token forward"),
     ("dory", r"the model's forward grew its cache from 4 to 6 layers"),
     ("recurrent_gemma", r"the model's forward returns no cache, not the DynamicCache it was given"),

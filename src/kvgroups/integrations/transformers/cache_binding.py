@@ -40,27 +40,32 @@ class BoundCache:
     """
 
     def __init__(self, groups: list[tuple[KVLayerGroupInfo, KVTransfer]], computed: int) -> None:
-        # A token group's layers are one block each (batch 1): its block size is the tokens it holds.
-        self._groups = [(group, transfer, computed - group.block_size if group.token_indexed else 0)
-                        for group, transfer in groups]
+        # A token group's layers are one block each (batch 1): its block size is the slots it holds, the
+        # latest ones (compressed rows: every row so far).
+        self._groups = [(group, transfer, group.spec.slot_range(computed, computed)[0] - group.block_size
+                         if group.token_indexed else 0) for group, transfer in groups]
 
     def pack(self, start: int, end: int) -> list[torch.Tensor]:
         """The chunk of tokens ``[start, end)`` of every group; recurrent groups give their state now,
         so the chunk must end where the cache does. Tokens a sliding part no longer holds are zeros
-        (a sliding group never reads them back)."""
+        (a sliding group never reads them back), as is the room a chunk of compressed rows has beyond
+        the rows it completed."""
         chunks = []
         for group, transfer, first_held in self._groups:
             if not group.token_indexed:
                 chunks.append(transfer.pack(state_indices=[0])[0])
                 continue
-            available = max(start, first_held)
-            slots = torch.arange(available - first_held, end - first_held, device=transfer.device)
-            packed = transfer.pack(slots)[0]
-            if available > start:
-                whole = torch.zeros(group.chunk_shape(end - start), dtype=group.dtype, device=packed.device)
-                whole[:, :, available - start:] = packed
-                packed = whole
-            chunks.append(packed)
+            low, high = group.spec.slot_range(start, end)
+            available = max(low, first_held)
+            if available == low and high - low == group.spec.chunk_slots(end - start):
+                slots = torch.arange(low - first_held, high - first_held, device=transfer.device)
+                chunks.append(transfer.pack(slots)[0])
+                continue
+            whole = torch.zeros(group.chunk_shape(end - start), dtype=group.dtype, device=transfer.device)
+            if high > available:
+                slots = torch.arange(available - first_held, high - first_held, device=transfer.device)
+                whole[:, :, available - low:high - low] = transfer.pack(slots)[0]
+            chunks.append(whole)
         return chunks
 
 
@@ -80,11 +85,12 @@ def _probe(model: Any, device: torch.device) -> list[Part]:
         raise UnsupportedCacheError(f"the model's forward grew its cache from {layers} to {len(probe.layers)} layers "
                                     f"(passes over shared layers keep caches of their own); a fresh cache cannot "
                                     f"hold them")
-    parts = read_parts(probe)
+    parts = read_parts(probe, model)
     for part in (part for part in parts if part.token_indexed):
         value = current_value(part, probe)
         rows = (value[0] if isinstance(value, tuple) else value).shape[-2]  # [..., tokens, width]
-        if rows != 1:
+        first, last = part.spec.slot_range(0, 1)  # a row per token; no compressed row yet
+        if rows != last - first:
             raise UnsupportedCacheError(f"cache layer {part.layer_index} holds {rows} positions after a one-token "
                                         f"forward (positions of its own before the tokens); kvgroups stores one "
                                         f"row per token")
@@ -107,7 +113,8 @@ class CacheBinding:
         self.all_recurrent = not any(part.token_indexed for part in self.parts)
         self.keeps_every_token = all(part.spec.keeps_every_token for part in self.parts)
         # The groups as they look holding one chunk, built on meta tensors.
-        template = {part.name: empty_value(part, chunk_size, torch.device("meta")) for part in self.parts}
+        template = {part.name: empty_value(part, part.spec.chunk_slots(chunk_size), torch.device("meta"))
+                    for part in self.parts}
         manager = KVLayerGroupsManager()
         manager.build_kv_layer_groups(template, self.specs, layout={
             part.name: part.layout for part in self.parts if part.layout is not None})
@@ -149,21 +156,24 @@ class CacheBinding:
                 for _, state in entries:  # the one state at the boundary
                     transfer.unpack([state.to(self.device).contiguous()], state_indices=[0])
             else:
-                # What the layers keep at the boundary: every token, or a sliding layer's window.
-                start, end = parts[0].spec.tokens_needed(boundary)
+                # What the layers keep at the boundary: every token (or compressed row), or a sliding layer's window.
+                spec = parts[0].spec
+                start, end = spec.slot_range(*spec.tokens_needed(boundary))
                 # Room only where install() hands the tensors to a layer as they are: the keys and values
                 # of a plain DynamicLayer (the one class whose updates write into it, ReservedDynamicLayer's).
-                reserve = (capacity_tokens > end and parts[0].spec.keeps_every_token
+                reserve = (capacity_tokens > end and spec.keeps_every_token
                            and all(part.role is PartRole.KV and type(cache.layers[part.layer_index]) is DynamicLayer
                                    for part in parts))
                 room = capacity_tokens if reserve else end - start
                 fresh = {part.name: empty_value(part, room, self.device) for part in parts}
                 _, transfer = self._transfer(group_index, fresh)
                 for chunk, tensor in entries:
-                    first = chunk * chunk_size
-                    low, high = max(first, start), min(first + chunk_size, end)
-                    rows = tensor if (low, high) == (first, first + chunk_size) else \
-                        tensor[:, :, low - first:high - first].contiguous()
+                    first, last = spec.slot_range(chunk * chunk_size, (chunk + 1) * chunk_size)
+                    low, high = max(first, start), min(last, end)
+                    if low >= high:  # a chunk that completed no compressed row, or left the window
+                        continue
+                    whole = (low, high) == (first, first + tensor.shape[2])
+                    rows = tensor if whole else tensor[:, :, low - first:high - first].contiguous()
                     transfer.unpack([rows.to(self.device)], torch.arange(low - start, high - start,
                                                                          device=self.device))
             values.update(fresh)

@@ -13,16 +13,17 @@ handle like any engine's:
   keys of sparse attention one more;
 - each conv and recurrent state of a linear-attention layer (mamba, gated DeltaNet, short conv):
   a ``RecurrentState`` part ``[1, *shape]``, kept exactly as transformers holds it (conv states
-  keep all ``kernel`` columns: trimming to ``kernel - 1`` is not right for every model).
+  keep all ``kernel`` columns: trimming to ``kernel - 1`` is not right for every model);
+- a DeepSeek-V4 compressed layer (:mod:`.compressed_parts`): its window of one K=V head, once; per
+  compressor (the attention's, a CSA layer's indexer's) its compressed rows as ``CompressedRows`` and
+  its state at the boundary (the partial window's projections and gates, CSA's overlap) as states.
 
 Which tensors a part is in a cache, and how a part is put back into a fresh layer, is decided here once.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,47 +42,17 @@ from transformers.cache_utils import (
 from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
 from kvgroups.core.layouts import KVLayout
 from kvgroups.errors import UnsupportedCacheError
+from kvgroups.integrations.transformers.compressed_parts import (
+    compressed_layer_classes,
+    compressed_parts,
+    compressed_value,
+    install_compressed,
+    is_compressed_layer,
+)
+from kvgroups.integrations.transformers.parts import Part, PartRole
 from kvgroups.integrations.transformers.reserved_layers import ReservedDynamicLayer
 
-
-class PartRole(enum.Enum):
-    """Which tensors of a transformers cache layer a part is."""
-
-    KV = "kv"  # keys and values of one width: a (k, v) pair
-    KEYS = "keys"  # MLA: the compressed latent (keys of their own width)
-    VALUES = "values"  # MLA: the rotated rope key, kept as the layer's values
-    INDEXER = "indexer"  # a sparse-attention indexer's keys
-    CONV = "conv"  # conv state ``state_index`` of a linear-attention layer
-    STATE = "state"  # recurrent state ``state_index`` of a linear-attention layer
-
-
-@dataclass(frozen=True)
-class Part:
-    """One kvgroups layer cache read from transformers cache layer ``layer_index``.
-
-    ``shape`` is the per-token row shape for token parts (``(heads, head_dim)`` for a K/V pair,
-    ``(1, width)`` for a latent), the state shape for recurrent parts; ``value_head_dim`` is a
-    pair's values' head size where it differs from the keys'. ``state_index`` tells the states of
-    one linear-attention layer apart.
-    """
-
-    layer_index: int
-    role: PartRole
-    spec: LayerCacheSpec
-    layout: KVLayout | None
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    state_index: int = 0
-    value_head_dim: int | None = None
-
-    @property
-    def name(self) -> str:
-        suffix = str(self.state_index) if self.role in (PartRole.CONV, PartRole.STATE) else ""
-        return f"layers.{self.layer_index}.{self.role.value}{suffix}"
-
-    @property
-    def token_indexed(self) -> bool:
-        return self.spec.token_indexed
+__all__ = ["KNOWN_LAYERS", "Part", "PartRole", "current_value", "empty_value", "install", "read_parts"]
 
 
 def _attention_parts(index: int, layer: Any) -> list[Part]:
@@ -136,12 +107,13 @@ KNOWN_LAYERS = (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, DynamicInde
 
 
 def _check_layer(index: int, layer: Any) -> None:
-    if type(layer) in KNOWN_LAYERS:
+    known_layers = (*KNOWN_LAYERS, *compressed_layer_classes())
+    if type(layer) in known_layers:
         return
-    known = next((base.__name__ for base in type(layer).__mro__[1:] if base in KNOWN_LAYERS), None)
+    known = next((base.__name__ for base in type(layer).__mro__[1:] if base in known_layers), None)
     kept = f" (a {known} that keeps state of its own)" if known else ""
     raise UnsupportedCacheError(f"cache layer {index} is a {type(layer).__name__}{kept}, which kvgroups cannot store; "
-                                f"expected one of {', '.join(cls.__name__ for cls in KNOWN_LAYERS)}")
+                                f"expected one of {', '.join(cls.__name__ for cls in known_layers)}")
 
 
 def _holds_state(layer: Any) -> bool:
@@ -149,8 +121,9 @@ def _holds_state(layer: Any) -> bool:
                for state in range(layer.number_of_states))
 
 
-def read_parts(cache: Any) -> list[Part]:
-    """The parts of a cache after at least one forward.
+def read_parts(cache: Any, model: Any = None) -> list[Part]:
+    """The parts of a cache after at least one forward (``model``: the one that wrote it, where a part's dtype
+    is its parameters' before the forward writes it: DeepSeek-V4's overlap gates).
 
     A layer the forward left empty (mllama's cross-attention layers, written only for images) holds
     nothing of the text and is skipped, as a fresh cache leaves it empty too; a linear-attention layer
@@ -164,7 +137,9 @@ def read_parts(cache: Any) -> list[Part]:
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not _holds_state(layer):
             raise UnsupportedCacheError(f"cache layer {index} ({type(layer).__name__}) holds no state after a "
                                         f"forward: the model keeps its recurrent state outside the cache")
-        if isinstance(layer, CacheLayerMixin) and layer.keys is not None:
+        if is_compressed_layer(layer):
+            parts += compressed_parts(index, layer, model)
+        elif isinstance(layer, CacheLayerMixin) and layer.keys is not None:
             parts += _attention_parts(index, layer)
         if isinstance(layer, DynamicIndexedLayer) and layer.indexer_keys is not None:
             indexer = layer.indexer_keys
@@ -183,6 +158,8 @@ def read_parts(cache: Any) -> list[Part]:
 def current_value(part: Part, cache: Any) -> Any:
     """The part's tensors in ``cache``, as the kvgroups layer cache (views, never copies)."""
     layer = cache.layers[part.layer_index]
+    if part.stream or part.role is PartRole.SHARED_KV:
+        return compressed_value(part, layer)
     if part.role is PartRole.KV:
         return (layer.keys, layer.values)
     if part.role is PartRole.KEYS:
@@ -194,15 +171,15 @@ def current_value(part: Part, cache: Any) -> Any:
     return (layer.conv_states if part.role is PartRole.CONV else layer.recurrent_states)[part.state_index]
 
 
-def empty_value(part: Part, num_tokens: int, device: torch.device) -> Any:
-    """Fresh tensors for a part holding ``num_tokens`` tokens (or one state), to unpack into."""
+def empty_value(part: Part, num_slots: int, device: torch.device) -> Any:
+    """Fresh tensors for a part holding ``num_slots`` slots (tokens, compressed rows; or one state), to unpack into."""
     if not part.token_indexed:
         return torch.empty((1, *part.shape), dtype=part.dtype, device=device)
     if part.role is PartRole.KV:
         heads, head_dim = part.shape
-        return tuple(torch.empty(1, heads, num_tokens, size, dtype=part.dtype, device=device)
+        return tuple(torch.empty(1, heads, num_slots, size, dtype=part.dtype, device=device)
                      for size in (head_dim, part.value_head_dim or head_dim))
-    return torch.empty(1, num_tokens, part.shape[1], dtype=part.dtype, device=device)
+    return torch.empty(1, num_slots, part.shape[1], dtype=part.dtype, device=device)
 
 
 def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, boundary: int) -> None:
@@ -212,6 +189,10 @@ def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, bounda
         by_layer.setdefault(part.layer_index, []).append(part)
     for index, layer_parts in by_layer.items():
         layer = cache.layers[index]
+        if is_compressed_layer(layer):
+            install_compressed(layer_parts, values, layer, boundary)
+            _count_tokens(layer, boundary)
+            continue
         by_role = {part.role: values[part.name] for part in layer_parts if part.token_indexed}
         if PartRole.KV in by_role:
             keys, values_ = by_role[PartRole.KV]
