@@ -69,18 +69,14 @@ def _attention_parts(index: int, layer: Any) -> list[Part]:
             f"{values.dtype}; expected one head count, length and dtype"
         )
     latent = keys.shape[1] == 1 and keys.shape[3] != values.shape[3]
-    if latent and sliding:
-        raise UnsupportedCacheError(
-            f"cache layer {index} holds single-head keys {list(keys.shape)} and values {list(values.shape)} of "
-            f"different widths in a sliding window (an MLA latent kept in a window); only full-attention latents "
-            f"are supported"
-        )
     if not latent:  # keys and values per head, of one head size or each of its own
         value_head_dim = None if keys.shape[3] == values.shape[3] else int(values.shape[3])
         return [Part(index, PartRole.KV, spec, KVLayout.KV_SPLIT_HND, keys.dtype, (keys.shape[1], keys.shape[3]),
                      value_head_dim=value_head_dim)]
-    return [Part(index, PartRole.KEYS, MLAttention(), KVLayout.MLA, keys.dtype, (1, keys.shape[3])),
-            Part(index, PartRole.VALUES, MLAttention(), KVLayout.MLA, values.dtype, (1, values.shape[3]))]
+    # An MLA latent (and its rope key, kept as the values), in every token or in a window (dots3's sliding layers).
+    latent_spec: LayerCacheSpec = spec if sliding else MLAttention()
+    return [Part(index, PartRole.KEYS, latent_spec, KVLayout.MLA, keys.dtype, (1, keys.shape[3])),
+            Part(index, PartRole.VALUES, latent_spec, KVLayout.MLA, values.dtype, (1, values.shape[3]))]
 
 
 def _state_parts(index: int, layer: Any) -> list[Part]:
