@@ -699,3 +699,46 @@ def test_spec_fields_that_change_what_a_page_holds_are_refused_by_name(spec_clas
     assert layer_plan("model.layers.0.attn", cls(**arguments), layout).name == "model.layers.0.attn"
     with pytest.raises(UnsupportedCacheError, match=rf"layer 'model.layers.0.attn' \({spec_class}\): {refused}"):
         layer_plan("model.layers.0.attn", cls(**arguments, **{field_name: True}), layout)
+
+
+def _every_spec_kind() -> list[tuple[str, dict[str, Any]]]:
+    """Each KV-cache spec class of the installed vLLM with the fields it needs beyond an attention spec's."""
+    attention = {"block_size": 16, "num_kv_heads": 1, "head_size": 64, "dtype": torch.float32}
+    return [
+        ("SlidingWindowMLASpec", {**attention, "sliding_window": 128}),
+        ("CircularBufferSpec", attention),
+        ("RSWASpec", {**attention, "rswa_window": 64}),
+        ("SinkFullAttentionSpec", {**attention, "sink_len": 4}),
+        ("HiddenStateCacheSpec", attention),
+        ("HiSparseHotSpec", {"block_size": 16, "page_size": 4096, "blocks_per_request": 4}),
+        ("HiSparseResidentSpec", {"block_size": 16, "page_size": 4096}),
+        ("CrossAttentionSpec", {**attention, "num_kv_heads": 2}),
+    ]
+
+
+@pytest.mark.parametrize(("spec_class", "arguments"), _every_spec_kind(), ids=[kind for kind, _ in _every_spec_kind()])
+def test_every_other_kind_vllm_defines_is_refused_naming_it_and_why(spec_class: str, arguments: dict[str, Any]) -> None:
+    """The kinds vLLM 0.32-0.34 define for models in its registry that the connector does not plan: each
+    refuses its layer naming the kind and the reason (kvgroups.integrations.vllm.refused_specs)."""
+    from vllm.v1 import kv_cache_interface
+
+    from kvgroups.integrations.vllm.engine_groups import layer_plan
+    from kvgroups.integrations.vllm.refused_specs import REASONS
+
+    cls = getattr(kv_cache_interface, spec_class, None)
+    if cls is None:
+        pytest.skip(f"vLLM {vllm.__version__} has no {spec_class}")
+    with pytest.raises(UnsupportedCacheError) as refused:
+        layer_plan("model.layers.3.attn", cls(**arguments), KVLayout.VLLM)
+    assert str(refused.value) == f"layer 'model.layers.3.attn': {spec_class}: {REASONS[spec_class]}"
+
+
+def test_deepseek_v4_compressed_rows_are_refused_as_packed_pages() -> None:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvgroups.integrations.vllm.engine_groups import layer_plan
+
+    spec = MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+                            state_content_bytes=584, alignment=576)
+    with pytest.raises(UnsupportedCacheError, match=r"packed by the backend .*DeepSeek-V4's compressed rows"):
+        layer_plan("model.layers.2.attn", spec, KVLayout.MLA)

@@ -50,6 +50,7 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
+from kvgroups.integrations.vllm.refused_specs import refusal
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,9 @@ def _token_kind(name: str, spec: AttentionSpec) -> LayerCacheSpec:
 
 def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
     """How kvgroups stores layer ``name`` whose vLLM spec is ``spec``; raises for what it cannot restore."""
+    reason = refusal(spec)
+    if reason is not None:
+        raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__}: {reason}")
     if isinstance(spec, MambaSpec):
         shapes = tuple(tuple(int(dim) for dim in shape) for shape in spec.shapes)
         dtypes = tuple(spec.dtypes)
@@ -242,7 +246,9 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
     if getattr(spec, "topk_buffer_width", None) is not None:  # vLLM 0.33's sparse MLA
         problems.append("its sparse top-k indices buffer is kept beside the page")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
-        problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state)")
+        problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state: "
+                        "DeepSeek-V4's compressed rows and indexer keys); kvgroups inspect plans them, the "
+                        "connector does not store them yet")
     if getattr(spec, "kv_head_major_slots", False):  # vLLM 0.34
         problems.append("kv_head_major_slots: its page slots are grouped by KV head (H2ND), not the layout "
                         "kvgroups reads")
