@@ -316,7 +316,7 @@ PREFIX_REASONS: dict[str, str] = {
     **dict.fromkeys(("jamba", "mamba", "falcon_mamba", "zamba"), MAMBA_V1),
     **dict.fromkeys(("camembert", "data2vec-text", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl",
                      "xmod"), ROBERTA_POSITIONS),
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "dots3_note_text"), DSA),
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "dots3_note_text", "hy_v4"), DSA),
     **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"), DRAFTER),
     "minimax": "it keeps its lightning-attention state in a cache class of its own (MiniMaxCache)",
     "recurrent_gemma": "it keeps its recurrent state on the modules, not in the cache",

@@ -1,9 +1,7 @@
-"""MLA latents kept in a sliding window (dots3's sliding layers): stored as two windowed MLA-layout parts, the
-latent and its rope key, and restored so that the prefill continues as computing it does.
-
-dots3 is refused by the sweep for what transformers itself does (its indexer chooses other keys in other
-chunks once a context exceeds ``index_topk``); with ``index_topk`` above the prompts its windowed latents
-are shown to restore right here.
+"""Sparse-attention MLA models the sweep refuses for what transformers itself does, their indexer choosing other
+keys in other chunks once a context exceeds ``index_topk``, shown restored right with ``index_topk`` above the
+prompts: dots3, whose sliding layers keep MLA latents in a window (two windowed MLA-layout parts, the latent and
+its rope key), and hy_v4.
 """
 
 from __future__ import annotations
@@ -53,3 +51,23 @@ def test_windowed_latents_restore_as_computed(dots3: Any) -> None:
     for index in (2, 3):  # the sliding layers: the window restored is the window computed
         ours, theirs = reused.cache.layers[index], computed.cache.layers[index]
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_hy_v4s_greedy_difference_is_its_indexers_not_reuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hy_v4 (MLA and a sparse indexer) continues a restored prefix with logits equal to recomputing, but its greedy
+    tokens after reuse differ from model.generate's: so do those of a PrefixCache that reused nothing (its prefill
+    runs chunk by chunk), because the indexer picks other keys in other chunks once the context exceeds index_topk.
+    With index_topk above the prompts, reuse answers exactly as model.generate does."""
+    transformers.logging.set_verbosity_error()
+    monkeypatch.setattr(prefix_cache, "check_supported", lambda model: None)
+    _, second = model_type_sweep.prompts()
+    model = model_type_sweep.build_model("hy_v4", "a")
+    assert model.config.index_topk < len(second)
+    with prefix_cache.PrefixCache(model, MemoryStore(), chunk_size=CHUNK, restore_check=False) as cache:
+        nothing_reused = cache.generate(second, max_new_tokens=8)
+        assert cache.last_prefill is not None and cache.last_prefill.reused_tokens == 0
+    theirs = model.generate(second[None], max_new_tokens=8, do_sample=False)
+    assert not torch.equal(nothing_reused, theirs)
+    monkeypatch.setitem(model_type_recipes.OVERRIDES, "hy_v4",
+                        {**model_type_recipes.OVERRIDES.get("hy_v4", {}), "index_topk": 64})
+    assert model_type_sweep.reuse_failure(model_type_sweep.build_model("hy_v4", "a")) is None
