@@ -10,7 +10,6 @@ import from here unchanged. The subpackages are the layers, each building on tho
 
 from kvgroups.core.cache_specs import (
     ChunkedLocal,
-    CompressedRows,
     FullAttention,
     LayerCacheSpec,
     LayerKind,
@@ -24,6 +23,7 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import Axis, CacheGeometry, KVLayout, detect_layout, geometry
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.core.metadata import LMCacheMetadata
+from kvgroups.core.row_specs import CompressedRows, WindowPages
 from kvgroups.errors import (
     ChunkMismatchError,
     KVGroupsError,
@@ -55,6 +55,7 @@ __all__ = [
     "SlidingWindow",
     "SlotMappingError",
     "StaleGroupsError",
+    "WindowPages",
     "detect_layout",
     "geometry",
     "spec_from_dict",

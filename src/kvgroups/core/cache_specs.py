@@ -29,6 +29,7 @@ class LayerKind(enum.Enum):
     CHUNKED_LOCAL = "chunked_local"
     MLA = "mla"
     COMPRESSED = "compressed"
+    WINDOW_PAGES = "window_pages"
     RECURRENT = "recurrent"
 
 
@@ -89,18 +90,19 @@ class LayerCacheSpec(Protocol):
 _FROM_DICT: dict[LayerKind, Callable[[Mapping[str, Any]], LayerCacheSpec]] = {}
 
 
-def _registered(cls: Any) -> Any:
+def registered(cls: Any) -> Any:
+    """Register a spec class for :func:`spec_from_dict` (kinds defined in other modules use it too)."""
     _FROM_DICT[cls.kind] = cls.from_dict
     return cls
 
 
-def _positive_int(owner: str, field_name: str, value: object) -> int:
+def positive_int(owner: str, field_name: str, value: object) -> int:
     if not is_int_at_least(value, 1):
         raise KVGroupsError(f"{owner}.{field_name} must be a positive int, got {value!r}")
     return value
 
 
-class _TokenCache:
+class TokenCache:
     """What every token-indexed kind shares: one slot per token, nothing per sequence."""
 
     token_indexed: ClassVar[bool] = True
@@ -133,7 +135,7 @@ class _TokenCache:
         return num_tokens
 
 
-class _EveryToken(_TokenCache):
+class EveryToken(TokenCache):
     """What the kinds that keep every token of a sequence share."""
 
     keeps_every_token: ClassVar[bool] = True
@@ -142,9 +144,9 @@ class _EveryToken(_TokenCache):
         return context_tokens
 
 
-@_registered
+@registered
 @dataclass(frozen=True, kw_only=True)
-class FullAttention(_EveryToken):
+class FullAttention(EveryToken):
     """Keys and values of every token of the sequence."""
 
     kind: ClassVar[LayerKind] = LayerKind.FULL_ATTENTION
@@ -157,16 +159,16 @@ class FullAttention(_EveryToken):
         return cls()
 
 
-@_registered
+@registered
 @dataclass(frozen=True, kw_only=True)
-class SlidingWindow(_TokenCache):
+class SlidingWindow(TokenCache):
     """Keys and values of the last ``window_tokens`` tokens only."""
 
     kind: ClassVar[LayerKind] = LayerKind.SLIDING_WINDOW
     window_tokens: int
 
     def __post_init__(self) -> None:
-        _positive_int("SlidingWindow", "window_tokens", self.window_tokens)
+        positive_int("SlidingWindow", "window_tokens", self.window_tokens)
 
     def accepts_layout(self, layout: KVLayout) -> bool:
         # A window of single rows too: one K=V head (DeepSeek-V4), a compressor's per-token state.
@@ -188,16 +190,16 @@ class SlidingWindow(_TokenCache):
         return cls(window_tokens=data["window_tokens"])
 
 
-@_registered
+@registered
 @dataclass(frozen=True, kw_only=True)
-class ChunkedLocal(_TokenCache):
+class ChunkedLocal(TokenCache):
     """Keys and values of the tokens in the current attention chunk of ``chunk_tokens``."""
 
     kind: ClassVar[LayerKind] = LayerKind.CHUNKED_LOCAL
     chunk_tokens: int
 
     def __post_init__(self) -> None:
-        _positive_int("ChunkedLocal", "chunk_tokens", self.chunk_tokens)
+        positive_int("ChunkedLocal", "chunk_tokens", self.chunk_tokens)
 
     def tokens_held(self, context_tokens: int, block_size: int) -> int:
         return min(context_tokens, round_up(self.chunk_tokens, block_size))
@@ -214,9 +216,9 @@ class ChunkedLocal(_TokenCache):
         return cls(chunk_tokens=data["chunk_tokens"])
 
 
-@_registered
+@registered
 @dataclass(frozen=True, kw_only=True)
-class MLAttention(_EveryToken):
+class MLAttention(EveryToken):
     """One compressed latent (plus its rope part) per token, shared by keys and values."""
 
     kind: ClassVar[LayerKind] = LayerKind.MLA
@@ -232,43 +234,7 @@ class MLAttention(_EveryToken):
         return cls()
 
 
-@_registered
-@dataclass(frozen=True, kw_only=True)
-class CompressedRows(_EveryToken):
-    """One row per window of ``tokens_per_row`` tokens (DeepSeek-V4's compressed entries, its indexer's keys):
-    row ``k`` sums up tokens ``[k * tokens_per_row, (k + 1) * tokens_per_row)`` once the last of them was
-    computed (a window not complete yet lives in the compressor's boundary state). Where the engine packs
-    a row into bytes (``fp8_ds_mla``) it is moved as bytes."""
-
-    kind: ClassVar[LayerKind] = LayerKind.COMPRESSED
-    tokens_per_row: int
-
-    def __post_init__(self) -> None:
-        _positive_int("CompressedRows", "tokens_per_row", self.tokens_per_row)
-
-    def accepts_layout(self, layout: KVLayout) -> bool:
-        return layout is KVLayout.MLA
-
-    def bytes_per_token(self, slot_bytes: int) -> float:
-        rows, remainder = divmod(slot_bytes, self.tokens_per_row)
-        return rows if remainder == 0 else slot_bytes / self.tokens_per_row
-
-    def slot_range(self, start: int, end: int) -> tuple[int, int]:
-        return start // self.tokens_per_row, end // self.tokens_per_row
-
-    def chunk_slots(self, num_tokens: int) -> int:
-        # A chunk that is no multiple of the rows' tokens completes one row more or less: room for the most.
-        return -(-num_tokens // self.tokens_per_row)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "tokens_per_row": self.tokens_per_row}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CompressedRows:
-        return cls(tokens_per_row=data["tokens_per_row"])
-
-
-@_registered
+@registered
 @dataclass(frozen=True, kw_only=True)
 class RecurrentState:
     """Fixed-size state per sequence (mamba conv + SSM state, linear-attention state).
@@ -290,7 +256,7 @@ class RecurrentState:
             if not isinstance(shape, tuple) or not shape:
                 raise KVGroupsError(f"RecurrentState.state_shapes entries must be non-empty tuples, got {shape!r}")
             for dim in shape:
-                _positive_int("RecurrentState", "state_shapes", dim)
+                positive_int("RecurrentState", "state_shapes", dim)
 
     @property
     def state_elements(self) -> int:
@@ -347,3 +313,7 @@ def default_spec(layout: KVLayout) -> LayerCacheSpec:
     if layout is KVLayout.RECURRENT:
         raise KVGroupsError("a recurrent-state layer needs an explicit RecurrentState spec")
     return FullAttention()
+
+
+# The kinds counted in rows or pages (they import this module, so they register once it is complete).
+from kvgroups.core import row_specs  # noqa: E402, F401

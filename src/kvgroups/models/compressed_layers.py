@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgroups.core.cache_specs import CompressedRows, SlidingWindow
+from kvgroups.core.cache_specs import SlidingWindow
+from kvgroups.core.row_specs import CompressedRows
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.layers import INDEXER_QUANT_BLOCK, INDEXER_SCALE_BYTES, CacheRole, RankCache, RowPacking
 

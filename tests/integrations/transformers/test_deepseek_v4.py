@@ -14,7 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.deepseek_v4")
 
-from kvgroups.core.cache_specs import CompressedRows, RecurrentState, SlidingWindow  # noqa: E402
+from kvgroups.core.cache_specs import RecurrentState, SlidingWindow  # noqa: E402
+from kvgroups.core.row_specs import CompressedRows  # noqa: E402
 from kvgroups.integrations.transformers import VERIFIED_MODEL_TYPES, PrefixCache  # noqa: E402
 from kvgroups.integrations.transformers.parts import PartRole  # noqa: E402
 from kvgroups.store import MemoryStore  # noqa: E402

@@ -705,7 +705,6 @@ def _every_spec_kind() -> list[tuple[str, dict[str, Any]]]:
     """Each KV-cache spec class of the installed vLLM with the fields it needs beyond an attention spec's."""
     attention = {"block_size": 16, "num_kv_heads": 1, "head_size": 64, "dtype": torch.float32}
     return [
-        ("SlidingWindowMLASpec", {**attention, "sliding_window": 128}),
         ("CircularBufferSpec", attention),
         ("RSWASpec", {**attention, "rswa_window": 64}),
         ("SinkFullAttentionSpec", {**attention, "sink_len": 4}),
@@ -733,12 +732,27 @@ def test_every_other_kind_vllm_defines_is_refused_naming_it_and_why(spec_class: 
     assert str(refused.value) == f"layer 'model.layers.3.attn': {spec_class}: {REASONS[spec_class]}"
 
 
-def test_deepseek_v4_compressed_rows_are_refused_as_packed_pages() -> None:
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+def test_deepseek_v4_pages_are_planned_whole_and_a_bounded_replay_window_refused() -> None:
+    """DeepSeek-V4's packed pages: moved by page (one slot per block), its compressed rows one page per 256
+    tokens, its windows the last pages vLLM keeps for a hit; V4.1's bounded-replay window refused."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
+    from kvgroups import CompressedRows, WindowPages
     from kvgroups.integrations.vllm.engine_groups import layer_plan
 
-    spec = MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
-                            state_content_bytes=584, alignment=576)
-    with pytest.raises(UnsupportedCacheError, match=r"packed by the backend .*DeepSeek-V4's compressed rows"):
-        layer_plan("model.layers.2.attn", spec, KVLayout.MLA)
+    rows = layer_plan("model.layers.2.attn", MLAAttentionSpec(
+        block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        state_content_bytes=584, alignment=576), KVLayout.MLA)
+    assert (rows.spec, rows.page_bytes, rows.dtype) == (CompressedRows(tokens_per_row=256), 64 * 584, torch.uint8)
+    window = layer_plan("model.layers.2.attn.swa_cache", SlidingWindowMLASpec(
+        block_size=64, num_kv_heads=1, head_size=512, dtype=torch.uint8, sliding_window=128,
+        state_content_bytes=584, alignment=576), KVLayout.MLA)
+    assert (window.spec, window.page_bytes) == (WindowPages(page_tokens=64, pages=2), 64 * 584)
+    state = layer_plan("model.layers.3.attn.compressor.state_cache", SlidingWindowMLASpec(
+        block_size=8, num_kv_heads=1, head_size=1024, dtype=torch.float32, sliding_window=128), KVLayout.MLA)
+    assert (state.spec, state.page_bytes) == (WindowPages(page_tokens=8, pages=16), 8 * 1024 * 4)
+    fields = {field.name for field in dataclasses.fields(SlidingWindowMLASpec)}
+    if "bounded_replay" in fields:
+        with pytest.raises(UnsupportedCacheError, match=r"bounded_replay \(DeepSeek-V4.1\)"):
+            layer_plan("x", SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+                                                 sliding_window=128, bounded_replay=True), KVLayout.MLA)

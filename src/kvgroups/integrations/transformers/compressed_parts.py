@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from kvgroups.core.cache_specs import CompressedRows, RecurrentState, SlidingWindow
+from kvgroups.core.cache_specs import RecurrentState, SlidingWindow
 from kvgroups.core.layouts import KVLayout
+from kvgroups.core.row_specs import CompressedRows
 from kvgroups.errors import UnsupportedCacheError
 from kvgroups.integrations.transformers.parts import Part, PartRole
 

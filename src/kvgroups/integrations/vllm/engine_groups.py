@@ -50,6 +50,7 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
+from kvgroups.integrations.vllm.packed_pages import packed_page_kind, page_bytes, page_view
 from kvgroups.integrations.vllm.refused_specs import refusal
 
 
@@ -73,6 +74,7 @@ class LayerPlan:
     page_dtypes: tuple[torch.dtype, ...] = ()
     states_as_bytes: bool = False
     value_head_size: int | None = None
+    page_bytes: int = 0  # moved by page (:mod:`.packed_pages`): one slot per block of this many bytes
 
     @property
     def token_indexed(self) -> bool:
@@ -83,6 +85,8 @@ class LayerPlan:
         if not self.token_indexed:
             return tuple(torch.empty(num_blocks, *shape, dtype=self.dtype, device="meta")
                          for shape in self.spec.state_shapes)
+        if self.page_bytes:
+            return torch.empty(num_blocks, 1, self.page_bytes, dtype=torch.uint8, device="meta")
         if self.layout is KVLayout.MLA:
             return torch.empty(num_blocks, block_size, self.head_size, dtype=self.dtype, device="meta")
         sizes = CacheGeometry(kv_size=2, num_blocks=num_blocks, block_size=block_size, num_heads=self.num_heads,
@@ -94,6 +98,8 @@ class LayerPlan:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
             shown = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise KVGroupsError(f"layer {self.name!r}: vLLM registered {shown}; expected a 4-D cache view")
+        if self.page_bytes:
+            return page_view(self.name, tensor, self.page_bytes)
         if self.token_indexed:
             if self.layout is KVLayout.MLA:
                 if tensor.shape[1] != 1:
@@ -216,6 +222,10 @@ def _token_kind(name: str, spec: AttentionSpec) -> LayerCacheSpec:
 
 def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
     """How kvgroups stores layer ``name`` whose vLLM spec is ``spec``; raises for what it cannot restore."""
+    paged = packed_page_kind(name, spec)
+    if paged is not None:
+        return LayerPlan(name, paged, KVLayout.MLA, torch.uint8, head_size=page_bytes(spec),
+                         page_bytes=page_bytes(spec))
     reason = refusal(spec)
     if reason is not None:
         raise UnsupportedCacheError(f"layer {name!r}: {type(spec).__name__}: {reason}")
@@ -246,9 +256,7 @@ def layer_plan(name: str, spec: Any, layout: KVLayout) -> LayerPlan:
     if getattr(spec, "topk_buffer_width", None) is not None:  # vLLM 0.33's sparse MLA
         problems.append("its sparse top-k indices buffer is kept beside the page")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
-        problems.append("its pages are packed by the backend (head slots, content bytes or tokens per state: "
-                        "DeepSeek-V4's compressed rows and indexer keys); kvgroups inspect plans them, the "
-                        "connector does not store them yet")
+        problems.append("its pages are packed by the backend (head slots)")
     if getattr(spec, "kv_head_major_slots", False):  # vLLM 0.34
         problems.append("kv_head_major_slots: its page slots are grouped by KV head (H2ND), not the layout "
                         "kvgroups reads")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvgroups.core.cache_specs import LayerCacheSpec
 from kvgroups.core.sizes import ceil_div
 from kvgroups.datapath.slots import paged_slots
 from kvgroups.errors import KVGroupsError
@@ -96,25 +97,26 @@ class SavePlan:
         return np.frombuffer(self.token_bytes, dtype="<u4")
 
     def packs(self, chunk: int, engine_groups: Sequence[EngineGroup], owned: Container[int],
-              chunk_size: int) -> dict[int, dict[str, Any]]:
-        """How to pack chunk ``chunk`` of each kvgroups group among ``owned``: the slots of its tokens, or
-        its state block; groups that cannot save it now (above) are left out."""
+              chunk_size: int, specs: Sequence[LayerCacheSpec]) -> dict[int, dict[str, Any]]:
+        """How to pack chunk ``chunk`` of each kvgroups group among ``owned`` (``specs``: each group's kind): the
+        slots it stores (its tokens; compressed rows or pages by their kind), or its state block; groups that
+        cannot save it now (above) are left out."""
         end = (chunk + 1) * chunk_size
-        positions = np.arange(chunk * chunk_size, end)
         handed = {(group, tokens): block for group, tokens, block in self.boundary_states}
         packs: dict[int, dict[str, Any]] = {}
         for engine_group in engine_groups:
-            block_ids = self.block_ids[engine_group.index]
-            how: dict[str, Any]
+            block_ids = np.asarray(self.block_ids[engine_group.index], dtype=np.int64)
             if engine_group.token_indexed:
-                slots = paged_slots(positions, np.asarray(block_ids, dtype=np.int64), engine_group.block_size)
-                if (slots < 0).any():
-                    continue  # part of the chunk has left this group's blocks (a window moved on)
-                how = {"slot_mapping": torch.from_numpy(slots)}
-            elif (engine_group.index, end) in handed:
+                for member in (member for member in engine_group.members if member in owned):
+                    slots = chunk_slots(specs[member], chunk * chunk_size, end, block_ids, engine_group.block_size)
+                    if not (slots < 0).any():  # else part of it has left this group's blocks (a window moved on)
+                        packs[member] = {"slot_mapping": torch.from_numpy(slots)}
+                continue
+            how: dict[str, Any]
+            if (engine_group.index, end) in handed:
                 how = {"state_indices": [handed[engine_group.index, end]]}
             elif self._state_at(engine_group, end):
-                how = {"state_indices": [engine_group.state_block(block_ids, end)]}
+                how = {"state_indices": [engine_group.state_block(self.block_ids[engine_group.index], end)]}
             else:
                 continue
             packs.update({member: how for member in engine_group.members if member in owned})
@@ -141,6 +143,15 @@ class SavePlan:
         saves store can end a hit (vLLM ended this step, and handed over a state, off every chunk's end)."""
         return any(not any(self._state_kept(group, (chunk + 1) * chunk_size) for chunk in self.chunks)
                    for group in engine_groups if not group.token_indexed)
+
+
+def chunk_slots(spec: LayerCacheSpec, start: int, end: int, block_ids: np.ndarray, block_size: int,
+                first_new: int = 0) -> np.ndarray:
+    """The cache slots of what a kvgroups group of kind ``spec`` stores of tokens ``[start, end)`` (its tokens,
+    compressed rows or pages, ``spec.slot_range``), from slot ``first_new`` on, in blocks ``block_ids`` of
+    ``block_size`` tokens; -1 where no block holds one."""
+    first, last = spec.slot_range(start, end)
+    return paged_slots(np.arange(max(first, first_new), last), block_ids, spec.chunk_slots(block_size))
 
 
 @dataclass

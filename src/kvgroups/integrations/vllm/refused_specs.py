@@ -1,21 +1,17 @@
 """The KV-cache kinds of vLLM 0.32-0.34 the connector refuses, each with the reason, by spec class.
 
 Every kind vLLM defines for a model in its registry is either planned by
-:func:`~kvgroups.integrations.vllm.engine_groups.layer_plan` (full, sliding-window, chunked-local and
-MLA attention, mamba states) or refused here, naming the kind and why, rather than served as a hit
-that could not be restored. Looked up by class name: a class a release lacks is never met there.
+:func:`~kvgroups.integrations.vllm.engine_groups.layer_plan` (full, sliding-window, chunked-local and MLA
+attention, mamba states; DeepSeek-V4's packed pages, :mod:`.packed_pages`) or refused here, naming the kind
+and why, rather than served as a hit that could not be restored. Looked up by class name: a class a
+release lacks is never met there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-PACKED_PAGES = ("its pages are packed by the backend (DeepSeek-V4's fp8_ds_mla rows, scales and padding; its "
-                "compressor's per-token state); kvgroups inspect plans them, the connector does not store them yet")
-
 REASONS: dict[str, str] = {
-    "SlidingWindowMLASpec": "a sliding window of MLA rows (DeepSeek-V4's window and compressor states, dots3's "
-                            "windowed latents); " + PACKED_PAGES,
     "CircularBufferSpec": "a ring of one block per request (DeepSeek-V4.1's compressor) that vLLM overwrites in place "
                           "and never prefix-caches: no stored prefix can say what it holds at a boundary",
     "RSWASpec": "reference sliding-window attention evicts generated tokens that left its window while prompt tokens "

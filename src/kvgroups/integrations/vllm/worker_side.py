@@ -3,15 +3,13 @@
 A load reads each entry once, into a reused buffer, checks it, and copies it into the request's
 blocks (:class:`~kvgroups.store.chunks.entry_reads.EntryReader`, then ``KVTransfer.unpack``); entries below vLLM's own
 prefix-cache hit are not read. Asynchronous loads run in background threads
-(:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, and are reported
-through ``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the
-request under ``kv_load_failure_policy="recompute"``. Synchronous loads run in ``start_load_kv``,
-before the forward that needs them; a failed one reports its blocks
-(``get_block_ids_with_load_errors``), which vLLM recomputes. Saves run in ``wait_for_save``, after
-the forward that computed them and before vLLM may hand their blocks to another request: a copy
-into host buffers, then encoding and writing on the chunk store's background writer; a save that
-fails is logged and costs a later miss. The copies are the data path's (``KVTransfer``, one per
-kvgroups group, bound once).
+(:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, reported through
+``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the request under
+``kv_load_failure_policy="recompute"``. Synchronous loads run in ``start_load_kv``, before the forward that
+needs them; a failed one reports its blocks (``get_block_ids_with_load_errors``), which vLLM recomputes.
+Saves run in ``wait_for_save``, after the forward that computed them and before vLLM may hand their blocks
+to another request: a copy into host buffers, then encoding and writing on the chunk store's background
+writer; a save that fails is logged and costs a later miss. The copies are the data path's (``KVTransfer``).
 
 On a GPU the worker copies as vLLM's own offloading does (:mod:`~kvgroups.datapath.streams`): loads
 on a stream of their own and saves on another, launched with the caches' device current in the
@@ -36,7 +34,6 @@ import torch
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.datapath.buffers import HostBufferPool, ReadBuffers
 from kvgroups.datapath.kernels import warm_up
-from kvgroups.datapath.slots import paged_slots
 from kvgroups.datapath.streams import DONE, Completion, CopyStream
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
@@ -44,7 +41,7 @@ from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import EngineGroup
 from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
-from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, chunk_slots
 from kvgroups.integrations.vllm.stats import StatsReporter
 from kvgroups.store.chunks.chunk_store import KVChunkStore
 from kvgroups.store.chunks.entry_reads import EntryReader
@@ -76,6 +73,7 @@ class WorkerSide:
         self.transfers: list[KVTransfer] = []
         self.load_transfers: list[KVTransfer] = []
         self.engine_groups = deployment.engine_groups
+        self.specs = [group.spec for group in deployment.groups]  # each kvgroups group's kind
         self._load_errors: set[int] = set()
         self.loads: BackgroundLoads | None = None
         self.reader: EntryReader | None = None
@@ -237,27 +235,29 @@ class WorkerSide:
                         logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes "
                                        "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
                         return False
-                    self._write_entry(transfers[member], engine_group, entry, first, plan, block_ids)
+                    self._write_entry(member, transfers[member], engine_group, entry, first, plan, block_ids)
                     buffers.copied(index, self.load_stream.record())  # the buffer is refilled after this
         return True
 
-    def _write_entry(self, transfer: KVTransfer, engine_group: EngineGroup, entry: torch.Tensor, first: int,
-                     plan: LoadPlan, block_ids: np.ndarray) -> None:
-        """Copy one entry (the chunk from token ``first``) into the request's blocks, on the current stream:
-        a state into the block vLLM continues the request from, K/V past vLLM's own prefix-cache hit."""
+    def _write_entry(self, member: int, transfer: KVTransfer, engine_group: EngineGroup, entry: torch.Tensor,
+                     first: int, plan: LoadPlan, block_ids: np.ndarray) -> None:
+        """Copy one entry (the chunk from token ``first``) into the request's blocks, on the current stream: a state
+        into the block vLLM continues the request from, K/V (rows, pages) past vLLM's own prefix-cache hit."""
         if not engine_group.token_indexed:
             block = engine_group.state_block(plan.block_ids[engine_group.index], plan.num_tokens)
             transfer.unpack([entry], state_indices=[block], synchronize=False)
             return
-        positions = np.arange(max(first, plan.local_tokens), first + self.chunk_size)
-        slots = paged_slots(positions, block_ids, engine_group.block_size)
-        # Tokens whose block is the null block have slid out of the window: nothing to write.
-        kept = slots >= 0
-        if kept.all() and positions.size == self.chunk_size:
+        spec = self.specs[member]
+        stored_first = spec.slot_range(first, first + self.chunk_size)[0]
+        local_end = spec.slot_range(0, plan.local_tokens)[1] if plan.local_tokens else 0
+        slots = chunk_slots(spec, first, first + self.chunk_size, block_ids, engine_group.block_size, local_end)
+        rows = np.arange(slots.size) + max(0, local_end - stored_first)  # the entry's rows these slots take
+        kept = slots >= 0  # the null block's slots have slid out of the window: nothing to write
+        if kept.all() and slots.size == entry.shape[2]:
             transfer.unpack([entry], torch.from_numpy(slots), synchronize=False)
         elif kept.any():
-            rows = entry.index_select(2, torch.from_numpy(positions[kept] - first))
-            transfer.unpack([rows], torch.from_numpy(slots[kept]), synchronize=False)
+            chosen = entry.index_select(2, torch.from_numpy(rows[kept]))
+            transfer.unpack([chosen], torch.from_numpy(slots[kept]), synchronize=False)
 
     def finished_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads ended since the last call, and those of them that failed.
@@ -309,7 +309,7 @@ class WorkerSide:
         keys = store.keys(plan.tokens, request_salt=plan.request_salt)
         owned = set(self.deployment.owned_groups(self.rank))  # rank 0 alone saves what every rank holds alike
         for chunk in plan.chunks:
-            packs = plan.packs(chunk, self.engine_groups, owned, self.chunk_size)
+            packs = plan.packs(chunk, self.engine_groups, owned, self.chunk_size, self.specs)
             if not packs:
                 continue
             # Queued saves hold host memory from a bounded pool, never the engine's device memory.
