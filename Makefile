@@ -80,7 +80,7 @@ SCHEDULER_TESTS := tests/integrations/vllm/test_connector_unit.py tests/integrat
 	tests/integrations/vllm/test_copy_discipline.py tests/integrations/vllm/test_kv_events.py \
 	tests/integrations/vllm/test_align_mode.py tests/integrations/vllm/test_early_loads.py \
 	tests/integrations/vllm/test_handover.py tests/integrations/vllm/test_decode_saves.py \
-	tests/integrations/vllm/test_deepseek_v4_specs.py
+	tests/integrations/vllm/test_deepseek_v4_specs.py tests/integrations/vllm/test_deepseek_v4_connector.py
 VLLM033_VENV ?= .venv-vllm033
 VLLM034_VENV ?= .venv-vllm034
 VLLM_LINE = 0.$(patsubst 0%,%,$(1)).*

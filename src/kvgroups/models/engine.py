@@ -91,10 +91,12 @@ DIFF_KV_LAYOUT = KVLayout.VLLM
 
 @dataclass(frozen=True, kw_only=True)
 class Page:
-    """A page an engine fixes for one layer's cache: ``block_tokens`` tokens in ``page_bytes`` (padded)."""
+    """A page an engine fixes for one layer's cache: ``block_tokens`` tokens in ``page_bytes`` (padded), of which
+    ``content_bytes`` are the cache's."""
 
     block_tokens: int
     page_bytes: int
+    content_bytes: int
 
 
 # Where a model's engine packs its rows (vLLM's fp8_ds_mla for DeepSeek-V4, with an 8-bit KV dtype),
@@ -169,8 +171,8 @@ def _packed_plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, pa
     alignment = PACKED_PAGE_ALIGNMENT if packed_layout else PLAIN_PAGE_ALIGNMENT
     slots = cache.spec.chunk_slots(packing.block_tokens)
     geometry = CacheGeometry(kv_size=1, num_blocks=1, block_size=slots, num_heads=1, head_size=head_size)
-    page = Page(block_tokens=packing.block_tokens,
-                page_bytes=round_up(slots * head_size * dtype.itemsize, alignment))
+    content = slots * head_size * dtype.itemsize
+    page = Page(block_tokens=packing.block_tokens, page_bytes=round_up(content, alignment), content_bytes=content)
     return _LayerPlan(name=name, model_layer=index, cache=cache, layout=KVLayout.MLA, geometry=geometry, dtype=dtype,
                       page=page)
 

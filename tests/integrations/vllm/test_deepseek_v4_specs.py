@@ -14,97 +14,20 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-    set_current_vllm_config,
-)
-from vllm.models.deepseek_v4.attention import (
-    DeepseekV4Attention,
-    DeepseekV4IndexerCache,
-    _resolve_dsv4_kv_cache_dtype,
-)
-from vllm.models.deepseek_v4.compressor import CompressorStateCache
-from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLABackend
-from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, SlidingWindowSpec
-from vllm.v1.worker.utils import customize_attention_spec
+from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
 from kvgroups.cli.report import inspect_model
 from kvgroups.core.dtypes import dtype_from_name
 from kvgroups.models.capacity import GroupCost, memory_needed
 from kvgroups.models.configs import model_spec_from_config
 from kvgroups.models.engine import EngineParams
+from tests.integrations.vllm.deepseek_v4 import MAX_MODEL_LEN, vllm_specs
 from tests.support.helpers import fixture
-
-MAX_MODEL_LEN = 1 << 20
-
-
-def _compress_ratios(hf: Any) -> list[int]:
-    """Per decoder layer, as DeepseekV4Attention reads it (0.33+ through transformers' layer types)."""
-    try:
-        from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
-        ratios = get_compress_ratios(hf)
-    except ImportError:  # 0.32: vLLM's own config class keeps the list
-        ratios = hf.compress_ratios
-    return [max(1, ratio) for ratio in ratios[: hf.num_hidden_layers]]
-
-
-def vllm_specs(config_dir: Path, *, fp8_ds_mla_layout: bool = True,
-               cache_dtype: str = "auto") -> dict[str, KVCacheSpec]:
-    """What vLLM's worker collects for a DeepSeek-V4 config: module name -> spec, in registration order."""
-    model = ModelConfig(model=str(config_dir), max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True)
-    cache = CacheConfig(block_size=256, cache_dtype=cache_dtype)  # vLLM's CPU platform forces 256 for this model
-    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
-                                enable_chunked_prefill=True, is_encoder_decoder=False)
-    vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=scheduler,
-                             device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig())
-    hf = model.hf_config
-    specs: dict[str, KVCacheSpec] = {}
-
-    def add(name: str, module: Any = None, spec: KVCacheSpec | None = None, backend: Any = None) -> None:
-        spec = spec if spec is not None else module.get_kv_cache_spec(vllm_config)
-        backend = backend or module.get_attn_backend()
-        specs[name] = customize_attention_spec(backend, spec) if isinstance(spec, AttentionSpec) else spec
-
-    with set_current_vllm_config(vllm_config), torch.device("meta"):
-        for index, ratio in enumerate(_compress_ratios(hf)):
-            prefix = f"model.layers.{index}.attn"
-            kv_dtype, kv_torch_dtype = _resolve_dsv4_kv_cache_dtype(fp8_ds_mla_layout, cache.cache_dtype, cache)
-            if ratio == 4:  # CSA: the lightning indexer's key cache (fp8 + an fp32 scale per 128) and compressor
-                width = hf.index_head_dim
-                add(f"{prefix}.indexer.k_cache", DeepseekV4IndexerCache(
-                    head_dim=width + width // 128 * 4, dtype=torch.uint8, prefix=f"{prefix}.indexer.k_cache",
-                    cache_config=cache, compress_ratio=ratio))
-                add(f"{prefix}.indexer.compressor.state_cache", CompressorStateCache(
-                    state_dim=4 * width, dtype=torch.float32, compress_ratio=ratio,
-                    prefix=f"{prefix}.indexer.compressor.state_cache"))
-            add(f"{prefix}.swa_cache", DeepseekV4SWACache(
-                head_dim=hf.head_dim, window_size=hf.sliding_window, dtype=kv_torch_dtype,
-                prefix=f"{prefix}.swa_cache", cache_config=cache))
-            if ratio <= 1:
-                continue
-            attention = SimpleNamespace(compress_ratio=ratio, kv_cache_dtype=kv_dtype, head_dim=hf.head_dim,
-                                        kv_cache_torch_dtype=kv_torch_dtype)
-            add(prefix, spec=DeepseekV4Attention.get_kv_cache_spec(attention, vllm_config),
-                backend=DeepseekV4SparseMLABackend)
-            overlap = 1 + (ratio == 4)
-            add(f"{prefix}.compressor.state_cache", CompressorStateCache(
-                state_dim=2 * overlap * hf.head_dim, dtype=torch.float32, compress_ratio=ratio,
-                prefix=f"{prefix}.compressor.state_cache"))
-    return specs
 
 
 def held_bytes(spec: KVCacheSpec, tokens: int) -> int:

@@ -34,7 +34,7 @@ class Deployment:
             raise UnsupportedCacheError(f"KVGroupsConnector stores tensor-parallel ranks only; got {unsupported}")
         self.world_size = int(parallel.tensor_parallel_size)
         # The platform decides the layout; tests of the other platform's layout pass it.
-        self.plan = EnginePlan(kv_cache_config, layout or engine_layout(current_platform.is_cpu()))
+        self.plan = EnginePlan(kv_cache_config, layout or engine_layout(current_platform.is_cpu()), vllm_config)
         # A hit ends on a chunk boundary, where every group must be able to hold it: attention groups
         # in whole blocks, recurrent groups on vLLM's block grid ("align") at one of its boundaries.
         on_grid = [group for group in self.plan.engine_groups if group.states_on_block_grid]

@@ -50,7 +50,7 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.layouts import CacheGeometry, KVLayout, shape_for
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.errors import KVGroupsError, UnsupportedCacheError
-from kvgroups.integrations.vllm.packed_pages import packed_page_kind, page_bytes, page_view
+from kvgroups.integrations.vllm.packed_pages import packed_page_kind, page_bytes, page_view, with_layer_pages
 from kvgroups.integrations.vllm.refused_specs import refusal
 
 
@@ -288,7 +288,7 @@ class EnginePlan:
     layer and why.
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig, layout: KVLayout) -> None:
+    def __init__(self, kv_cache_config: KVCacheConfig, layout: KVLayout, vllm_config: Any = None) -> None:
         allocated = {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
         every_layer = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
         self.layer_index = {name: index for index, name in enumerate(sorted(set(every_layer), key=natural_key))}
@@ -313,6 +313,7 @@ class EnginePlan:
                 token_indexed=token_indexed,
                 state_mode=None if token_indexed else str(getattr(spec, "mamba_cache_mode", "none")),
             ))
+        self.layers = with_layer_pages(self.layers, kv_cache_config.kv_cache_groups, vllm_config)
 
     def build_groups(self, values: Mapping[str, Any]) -> tuple[list[KVLayerGroupInfo], list[EngineGroup]]:
         """kvgroups groups of ``values`` (layer name -> value), within each vLLM group, and the vLLM

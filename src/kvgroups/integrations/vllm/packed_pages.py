@@ -17,6 +17,7 @@ layers is no view's), and restored byte for byte:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ import torch
 from kvgroups.core.cache_specs import LayerCacheSpec
 from kvgroups.core.row_specs import CompressedRows, window_pages
 from kvgroups.errors import UnsupportedCacheError
+from kvgroups.models.configs import model_spec_from_config
+from kvgroups.models.engine import EngineParams, build_rank
 
 # What marks a page packed by the backend: fields vLLM sets only for such pages.
 _PACKED_FIELDS = ("state_content_bytes", "alignment", "model_version")
@@ -64,3 +67,31 @@ def page_view(name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
         raise UnsupportedCacheError(f"layer {name!r}: a block holds {viewed.shape[2]} bytes of it; its spec says "
                                     f"{size}")
     return viewed
+
+
+def planned_content_bytes(vllm_config: Any) -> dict[str, int]:
+    """Each DeepSeek-V4 cache's bytes in one block, as ``kvgroups inspect`` plans the model (held to vLLM's own
+    specs by a test): for the scheduler's copy of vLLM's KV-cache config, which keeps one spec per group (its
+    first layer's), where a group holds pages of several sizes (compressed rows, indexer keys; two states)."""
+    config = vllm_config.model_config.hf_config
+    packed = str(getattr(vllm_config.cache_config, "cache_dtype", "auto")) in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    kv_dtype = torch.float8_e4m3fn if packed else torch.bfloat16
+    build = build_rank(model_spec_from_config(config.to_dict()), "engine", EngineParams(kv_dtype=kv_dtype))
+    return {name: page.content_bytes for name, page in build.pages_of.items()}
+
+
+def with_layer_pages(plans: dict[str, Any], groups: Any, vllm_config: Any) -> dict[str, Any]:
+    """``plans`` with each page-moved layer's own bytes where vLLM's config named one spec for a group of layers of
+    several (the scheduler's copy): the bytes ``kvgroups inspect`` plans for it."""
+    replaced = [group for group in groups if type(group.kv_cache_spec).__name__ != "UniformTypeKVCacheSpecs"
+                and len(group.layer_names) > 1 and any(plans[name].page_bytes for name in group.layer_names
+                                                       if name in plans)]
+    if not replaced or vllm_config is None:
+        return plans
+    planned = planned_content_bytes(vllm_config)
+    missing = [name for group in replaced for name in group.layer_names if name in plans and name not in planned]
+    if missing:
+        raise UnsupportedCacheError(f"layers {missing[:4]}: vLLM names one spec for their group and kvgroups "
+                                    f"plans no page for them; their pages' sizes are unknown here")
+    return {name: replace(plan, page_bytes=planned[name], head_size=planned[name]) if name in planned and
+            plan.page_bytes else plan for name, plan in plans.items()}

@@ -1,0 +1,106 @@
+"""DeepSeek-V4 through the connector, with vLLM's real Scheduler and KV-cache manager: every group's bytes
+restored exactly, at the hits vLLM's own managers take.
+
+vLLM's own code makes the caches (the specs DeepSeek-V4's cache modules declare, its planner's five groups in
+one block pool, its model runner's BLHNC views of one buffer: :mod:`tests.integrations.vllm.deepseek_v4`).
+The model's forward is stood in for by the worker's buffer, filled with random bytes before the run: what it
+holds is what a forward would have written, so that a worker that saved a prompt and another that loaded it
+must hold the same bytes where the boundary needs them (every compressed row and indexer key before it, the
+window's and the compressor states' last pages). Runs on vLLM 0.32, 0.33 and 0.34.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvgroups import CompressedRows, WindowPages
+from kvgroups.integrations.vllm.deployment import Deployment
+from kvgroups.integrations.vllm.plans import chunk_slots
+from kvgroups.integrations.vllm.worker_side import WorkerSide
+from tests.integrations.vllm.deepseek_v4 import (
+    buffer_bytes,
+    kv_cache_config,
+    scheduler_kv_cache_config,
+    tiny_config_dir,
+    vllm_specs,
+    worker_views,
+)
+from tests.integrations.vllm.harness import ENGINE_LAYOUT, SchedulerHarness, file_store, prompt, vllm_config
+
+CHUNK = 256  # lcm of the groups' blocks (64, 256, 4, 8): vLLM's own hits land on it too
+PROMPT = 600
+
+
+class DeepseekV4Worker:
+    """A worker's DeepSeek-V4 caches: vLLM's views of one int8 buffer of random bytes, bound to a WorkerSide."""
+
+    def __init__(self, config: Any, kv_config: Any, seed: int) -> None:
+        self.deployment = Deployment(config, kv_config, layout=ENGINE_LAYOUT)
+        generator = torch.Generator().manual_seed(seed)
+        self.buffer = torch.randint(-128, 128, (buffer_bytes(kv_config),), dtype=torch.int8, generator=generator)
+        self.caches = worker_views(kv_config, self.buffer)
+        self.side = WorkerSide(self.deployment, rank=0)
+        self.side.register(self.caches)
+
+    def pages(self, member: int, slots: np.ndarray) -> torch.Tensor:
+        return self.side.transfers[member].pack(torch.from_numpy(slots))[0]
+
+
+def engine(tmp_path: Path) -> tuple[Any, Any, Any]:
+    """vLLM's config, the workers' KV-cache config and the scheduler's (one spec per group: its first layer's)."""
+    folder = tiny_config_dir(tmp_path / "model")
+    config = vllm_config(folder, file_store(tmp_path, chunk_size=None), block_size=256, max_batched=1024)
+    config.cache_config.kv_cache_layout = "BLHNC"  # as DeepSeek-V4's indexer backend resolves it
+    # A GPU platform keeps vLLM's hybrid KV-cache manager on (the connector supports it); the "unspecified"
+    # platform of 0.33's and 0.34's CUDA wheels on this CPU turns it off, and so would make other groups.
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    specs = vllm_specs(folder, vllm_config=config)
+    workers = kv_cache_config(config, specs, 96 << 20)
+    return config, workers, scheduler_kv_cache_config(workers)
+
+
+def test_every_deepseek_v4_group_is_restored_byte_for_byte_at_vllms_hits(tmp_path: Path) -> None:
+    config, kv_config, scheduler_config = engine(tmp_path)
+    saver = DeepseekV4Worker(config, kv_config, seed=1)
+    kinds = {type(group.spec) for group in saver.deployment.groups}
+    assert kinds == {CompressedRows, WindowPages}
+    first = SchedulerHarness(config, scheduler_config)
+    first.add("a", prompt(PROMPT))
+    steps = first.run(saver)
+    saves = {chunk: plan for step in steps for plan in step.metadata.saves for chunk in plan.chunks}
+    assert sorted(saves) == [0, 1]  # the prompt's full chunks (600 tokens: 2 of 256)
+
+    loader = DeepseekV4Worker(config, kv_config, seed=2)
+    second = SchedulerHarness(config, scheduler_config)
+    second.add("b", prompt(PROMPT))
+    _, computed, load = second.admit(loader, "b")
+    # vLLM's own prefix cache would hit here too: the longest multiple of 256 before the last token.
+    assert computed == 512 and load is not None and load.num_tokens == 512
+
+    restored = 0
+    for engine_group in loader.side.engine_groups:
+        for member in engine_group.members:
+            spec = loader.deployment.groups[member].spec
+            start, _ = spec.tokens_needed(512)
+            for chunk in range(start // CHUNK, 2):
+                plan = saves[chunk]
+                ours = chunk_slots(spec, chunk * CHUNK, (chunk + 1) * CHUNK,
+                                   np.asarray(plan.block_ids[engine_group.index]), engine_group.block_size)
+                theirs = chunk_slots(spec, chunk * CHUNK, (chunk + 1) * CHUNK,
+                                     np.asarray(load.block_ids[engine_group.index]), engine_group.block_size)
+                if isinstance(spec, WindowPages) and chunk < 1:
+                    continue  # a window needs only the pages before the boundary
+                assert (ours >= 0).all() and (theirs >= 0).all(), (member, chunk)
+                assert torch.equal(saver.pages(member, ours), loader.pages(member, theirs)), (member, chunk)
+                restored += int(ours.size)
+    # Every group, every page a boundary at 512 needs: 2 pages per compressed group (one per chunk), the window's
+    # last 2, the ratio-4 states' last 2, the ratio-128 states' last 16.
+    assert restored == sum(2 if isinstance(group.spec, CompressedRows) else group.spec.pages
+                           for group in loader.deployment.groups)
