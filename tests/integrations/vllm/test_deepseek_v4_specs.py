@@ -68,3 +68,28 @@ def test_inspect_plans_what_vllm_allocates(model: tuple[str, Path], kv_dtype: st
             assert memory_needed([cost], tokens, 1, 16, hybrid=True) == sum(held_bytes(spec, tokens)
                                                                              for spec in members), (row, tokens)
     assert report.bytes_per_token_per_rank == sum(spec.page_size_bytes / spec.block_size for spec in specs.values())
+
+
+def test_inspect_plans_deepseek_v41_as_vllm_allocates_it(tmp_path: Path) -> None:
+    """DeepSeek-V4.1-Flash: the window of every layer in 32-token pages; only the KV sources' compressed rows (one
+    per 2 tokens, or every token) and the index sources' keys among them, in pages of vLLM's GPU block (128);
+    the ratio-2 sources' compressor ring, one block a request: a cost per sequence, not per token."""
+    from tests.integrations.vllm.deepseek_v4 import V41_PREFIX, v41_vllm_config, v41_vllm_specs
+
+    (tmp_path / "config.json").write_text(json.dumps(fixture("deepseek-v4.1-flash")))
+    specs = {name.replace(f"{V41_PREFIX}.", "model.", 1): spec
+             for name, spec in v41_vllm_specs(v41_vllm_config(tmp_path)).items()}
+    report = inspect_model(model_spec_from_config(fixture("deepseek-v4.1-flash")), "v4.1", EngineParams())
+    planned = {layer: row for row in report.groups for layer in row.group.layer_names}
+    assert sorted(planned) == sorted(specs)
+    rings = 0
+    for row in report.groups:
+        members = [specs[layer] for layer in row.group.layer_names]
+        if type(members[0]).__name__ == "CircularBufferSpec":  # one block a request, whatever its length
+            assert all(spec.max_num_blocks_per_req(None, 1 << 20) == 1 for spec in members)
+            assert row.bytes_per_sequence == sum(spec.page_size_bytes for spec in members)
+            rings += len(members)
+            continue
+        assert {(spec.block_size, spec.page_size_bytes) for spec in members} == {(row.block_tokens, row.page_bytes)}
+        assert row.bytes_per_token == sum(spec.page_size_bytes / spec.block_size for spec in members)
+    assert rings == 3

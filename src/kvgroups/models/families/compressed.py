@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvgroups.errors import ModelConfigError
-from kvgroups.models.compressed_layers import CSA_RATIO, CompressedAttentionLayer
+from kvgroups.models.compressed_layers import CSA_RATIO, CompressedAttentionLayer, CompressedSourceLayer
 from kvgroups.models.config_fields import ConfigFields, family
 from kvgroups.models.layers import ModelLayer
 
@@ -75,3 +75,35 @@ def _deepseek_v4(config: ConfigFields) -> list[ModelLayer]:
     return [CompressedAttentionLayer(head_dim=head_dim, rope_dim=int(rope), window_tokens=window, compress_ratio=ratio,
                                      index_head_dim=index_head_dim, sparse=sparse)
             for ratio, sparse in compress_ratios(config)]
+
+
+_V41_READS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "sliding_window", "head_dim",
+              "qk_rope_head_dim", "index_head_dim", "index_n_heads", "index_topk")
+
+
+def _layer_ids(config: ConfigFields, name: str, layers: int) -> set[int]:
+    ids = config.get(name)
+    if not isinstance(ids, list) or any(not isinstance(index, int) or not 0 <= index < layers for index in ids):
+        raise ModelConfigError(f"{name} must list layer numbers below {layers}, got {ids!r}")
+    return set(ids)
+
+
+@family("deepseek_v41", "deepseek_v41_text", defaults={"num_attention_heads": 64, "hidden_size": 5120,
+                                                       "sliding_window": 128, "head_dim": 512, "qk_rope_head_dim": 64,
+                                                       "index_head_dim": 128},
+        reads=_V41_READS, reads_layer_types=False)
+def _deepseek_v41(config: ConfigFields) -> list[ModelLayer]:
+    """DeepSeek-V4.1: ``compress_ratios`` 0 (window only), 2 or 1 per layer (the entries after the layers are the
+    multi-token-prediction layers'); only the ``kv_source_layer_ids`` own compressed KV, the others read the
+    latest source's; the ``index_source_layer_ids`` among them own indexer keys (vLLM's reading)."""
+    layers = config.integer("num_hidden_layers")
+    ratios = config.get("compress_ratios")
+    if not isinstance(ratios, list) or len(ratios) < layers or any(ratio not in (0, 1, 2) for ratio in ratios[:layers]):
+        raise ModelConfigError(f"compress_ratios must give each of the {layers} layers 0, 1 or 2, got {ratios!r}")
+    kv_sources = _layer_ids(config, "kv_source_layer_ids", layers)
+    index_sources = _layer_ids(config, "index_source_layer_ids", layers)
+    head_dim, rope = config.integer("head_dim"), config.integer("qk_rope_head_dim")
+    return [CompressedSourceLayer(head_dim=head_dim, rope_dim=rope, window_tokens=config.integer("sliding_window"),
+                                  compress_ratio=ratios[index], kv_source=index in kv_sources,
+                                  index_source=index in index_sources, index_head_dim=config.integer("index_head_dim"))
+            for index in range(layers)]
