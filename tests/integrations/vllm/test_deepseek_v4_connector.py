@@ -11,6 +11,9 @@ window's and the compressor states' last pages). Runs on vLLM 0.32, 0.33 and 0.3
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from tests.integrations.vllm.deepseek_v4 import (
     worker_views,
 )
 from tests.integrations.vllm.harness import ENGINE_LAYOUT, SchedulerHarness, file_store, prompt, vllm_config
+from tests.support.paths import ROOT
 
 CHUNK = 256  # lcm of the groups' blocks (64, 256, 4, 8): vLLM's own hits land on it too
 PROMPT = 600
@@ -104,3 +108,28 @@ def test_every_deepseek_v4_group_is_restored_byte_for_byte_at_vllms_hits(tmp_pat
     # last 2, the ratio-4 states' last 2, the ratio-128 states' last 16.
     assert restored == sum(2 if isinstance(group.spec, CompressedRows) else group.spec.pages
                            for group in loader.deployment.groups)
+
+
+def test_vllms_engine_starts_on_deepseek_v4_and_both_sides_name_the_same_entries(tmp_path: Path) -> None:
+    """vLLM 0.32's engine (its CPU build) started on a tiny random DeepSeek-V4 with the connector: the worker binds
+    every cache vLLM allocates (moved by page), and the scheduler side, which vLLM hands one spec per group, plans
+    the same groups (the same fingerprint, so the same keys)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's engine runs on this machine only in its CPU build (0.32)")
+    result = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.deepseek_v4_engine", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["scheduler_fingerprint"] == report["worker_fingerprint"]
+    layers = {layer: group["spec"] for group in report["groups"] for layer in group["layers"]}
+    assert layers["model.layers.0.attn.swa_cache"] == {"kind": "window_pages", "page_tokens": 64, "pages": 2}
+    assert layers["model.layers.2.attn"] == layers["model.layers.3.attn"] == {
+        "kind": "compressed", "tokens_per_row": 256}
+    assert layers["model.layers.2.attn.compressor.state_cache"] == {"kind": "window_pages", "page_tokens": 4,
+                                                                    "pages": 2}
+    assert layers["model.layers.3.attn.compressor.state_cache"] == {"kind": "window_pages", "page_tokens": 8,
+                                                                    "pages": 16}
+    assert len(layers) == 5 + 3 + 2 * 2 + 3  # windows, rows, the CSA layers' indexers and states, the states
+    assert set(report["engine_group_blocks"]) == {4, 8, 64, 256} and report["chunk_size"] == 256

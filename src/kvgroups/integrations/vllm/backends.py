@@ -33,7 +33,8 @@ def check_backends(plan: EnginePlan, forward_context: Mapping[str, Any]) -> None
     pages out as the plan's layout says."""
     problems = []
     for name, layer_plan in plan.layers.items():
-        if not layer_plan.token_indexed:
+        # A state, or pages moved whole (DeepSeek-V4's, :mod:`.packed_pages`): no backend's row layout is read.
+        if not layer_plan.token_indexed or layer_plan.page_bytes:
             continue
         layer = forward_context.get(name)
         backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
