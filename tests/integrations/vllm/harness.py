@@ -206,17 +206,21 @@ class SchedulerHarness:
 
     config: VllmConfig
     kv_cache_config: KVCacheConfig
+    # The block size requests are hashed in: the scheduler's (below) unless given, as vLLM's engine core resolves
+    # it for groups of several block sizes with prefix caching or a connector on (their GCD: DeepSeek-V4's 4).
+    hash_block_size: int | None = None
     scheduler: Scheduler = field(init=False)
 
     def __post_init__(self) -> None:
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         # The scheduler's granularity is the LCM of the groups' block sizes, as the engine sets it.
         block_size = math.lcm(*(group.kv_cache_spec.block_size for group in self.kv_cache_config.kv_cache_groups))
+        hash_block_size = self.hash_block_size or block_size
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
-                                   block_size=block_size, hash_block_size=block_size, log_stats=True)
+                                   block_size=block_size, hash_block_size=hash_block_size, log_stats=True)
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(block_size, sha256)
+        self.hasher = get_request_block_hasher(hash_block_size, sha256)
 
     @property
     def connector(self) -> Any:

@@ -12,6 +12,7 @@ window's and the compressor states' last pages). Runs on vLLM 0.32, 0.33 and 0.3
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,11 @@ class DeepseekV4Worker:
         return self.side.transfers[member].pack(torch.from_numpy(slots))[0]
 
 
-def engine(tmp_path: Path) -> tuple[Any, Any, Any]:
+def engine(tmp_path: Path, *, kv_events: bool = False) -> tuple[Any, Any, Any]:
     """vLLM's config, the workers' KV-cache config and the scheduler's (one spec per group: its first layer's)."""
     folder = tiny_config_dir(tmp_path / "model")
-    config = vllm_config(folder, file_store(tmp_path, chunk_size=None), block_size=256, max_batched=1024)
+    config = vllm_config(folder, file_store(tmp_path, chunk_size=None), block_size=256, max_batched=1024,
+                         kv_events=kv_events, prefix_caching=kv_events)
     config.cache_config.kv_cache_layout = "BLHNC"  # as DeepSeek-V4's indexer backend resolves it
     # A GPU platform keeps vLLM's hybrid KV-cache manager on (the connector supports it); the "unspecified"
     # platform of 0.33's and 0.34's CUDA wheels on this CPU turns it off, and so would make other groups.
@@ -70,19 +72,25 @@ def engine(tmp_path: Path) -> tuple[Any, Any, Any]:
     return config, workers, scheduler_kv_cache_config(workers)
 
 
+def scheduler(config: Any, kv_config: Any) -> SchedulerHarness:
+    """vLLM's Scheduler hashing requests as its engine core does for these groups: in their blocks' GCD (4)."""
+    blocks = [group.kv_cache_spec.block_size for group in kv_config.kv_cache_groups]
+    return SchedulerHarness(config, kv_config, hash_block_size=math.gcd(*blocks))
+
+
 def test_every_deepseek_v4_group_is_restored_byte_for_byte_at_vllms_hits(tmp_path: Path) -> None:
     config, kv_config, scheduler_config = engine(tmp_path)
     saver = DeepseekV4Worker(config, kv_config, seed=1)
     kinds = {type(group.spec) for group in saver.deployment.groups}
     assert kinds == {CompressedRows, WindowPages}
-    first = SchedulerHarness(config, scheduler_config)
+    first = scheduler(config, scheduler_config)
     first.add("a", prompt(PROMPT))
     steps = first.run(saver)
     saves = {chunk: plan for step in steps for plan in step.metadata.saves for chunk in plan.chunks}
     assert sorted(saves) == [0, 1]  # the prompt's full chunks (600 tokens: 2 of 256)
 
     loader = DeepseekV4Worker(config, kv_config, seed=2)
-    second = SchedulerHarness(config, scheduler_config)
+    second = scheduler(config, scheduler_config)
     second.add("b", prompt(PROMPT))
     _, computed, load = second.admit(loader, "b")
     # vLLM's own prefix cache would hit here too: the longest multiple of 256 before the last token.
@@ -133,3 +141,60 @@ def test_vllms_engine_starts_on_deepseek_v4_and_both_sides_name_the_same_entries
                                                                     "pages": 16}
     assert len(layers) == 5 + 3 + 2 * 2 + 3  # windows, rows, the CSA layers' indexers and states, the states
     assert set(report["engine_group_blocks"]) == {4, 8, 64, 256} and report["chunk_size"] == 256
+
+
+def test_kv_events_announce_each_deepseek_v4_group_s_stored_chunks(tmp_path: Path) -> None:
+    """With vLLM's KV events on, every vLLM group's stored chunks are announced (medium DISK) in its own blocks,
+    with vLLM's own block hashes (in blocks of 4 tokens, the groups' GCD), beside vLLM's events of the same."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
+
+    config, kv_config, scheduler_config = engine(tmp_path, kv_events=True)
+    harness = scheduler(config, scheduler_config)
+    published: list[Any] = []
+    harness.scheduler.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+    worker = DeepseekV4Worker(config, kv_config, seed=1)
+    request = harness.add("a", prompt(PROMPT))
+    harness.run(worker)
+    harness.step(worker)  # the saves written by now: announced
+    ours = [event for batch in published for event in batch.events if getattr(event, "medium", None) == "DISK"]
+    assert all(isinstance(event, BlockStored) for event in ours)
+    blocks = {group.index: group.block_size for group in worker.side.engine_groups}
+    announced = sorted((event.group_idx, event.block_size, len(event.block_hashes)) for event in ours)
+    assert announced == sorted((group, size, CHUNK // size) for group, size in blocks.items() for _ in (0, 1))
+    # vLLM's own hashes of those blocks: its requests' hashes (of 4 tokens) in each group's blocks, and where it
+    # announces its own blocks (0.33, 0.34: prefix caching on) among them for the compressed rows' group, every
+    # block of which it caches (a window's it may drop before it announces them).
+    hashes = {size: [maybe_convert_block_hash(each) for each in resolve_block_hashes(request.block_hashes, 4, size)]
+              for size in set(blocks.values())}
+    own: dict[int, set[Any]] = {}
+    for batch in published:
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium != "DISK":
+                own.setdefault(event.group_idx, set()).update(event.block_hashes)
+    for event in ours:
+        chunk = next(index for index in (0, 1) if event.token_ids == prompt(PROMPT)[index * CHUNK:(index + 1) * CHUNK])
+        size = event.block_size
+        assert event.block_hashes == hashes[size][chunk * CHUNK // size:(chunk + 1) * CHUNK // size]
+        if event.group_idx in own and size == CHUNK:  # the rows' group, whose every block vLLM caches and announces
+            assert set(event.block_hashes) <= own[event.group_idx]
+
+
+def test_groups_whose_blocks_requests_are_not_hashed_in_get_no_event_and_the_scheduler_runs_on(tmp_path: Path) -> None:
+    """A scheduler hashing requests in blocks of 256 tokens (no prefix caching, no connector: vLLM's own choice
+    then) cannot name the 64-, 4- and 8-token blocks of the windows and states: their chunks are announced by no
+    event, the rows' group's are, and planning the saves raises nothing (it did: vLLM's resolve_block_hashes
+    asserts)."""
+    config, kv_config, scheduler_config = engine(tmp_path, kv_events=True)
+    try:
+        harness = SchedulerHarness(config, scheduler_config)  # hashes in the groups' LCM: 256 tokens
+    except AssertionError as refused:  # vLLM 0.33 and later refuse such a scheduler themselves
+        pytest.skip(f"vLLM refuses a hash block no group's block divides: {refused}")
+    published: list[Any] = []
+    harness.scheduler.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+    worker = DeepseekV4Worker(config, kv_config, seed=1)
+    harness.add("a", prompt(PROMPT))
+    harness.run(worker)
+    harness.step(worker)
+    ours = [event for batch in published for event in batch.events if getattr(event, "medium", None) == "DISK"]
+    assert sorted(event.block_size for event in ours) == [256] * 2

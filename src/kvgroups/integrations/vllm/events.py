@@ -246,6 +246,8 @@ class StoreEvents:
             if not entries:
                 continue
             block_size = engine_group.block_size if engine_group.token_indexed else self.chunk_size
+            if self.hash_block_size and block_size % self.hash_block_size:
+                continue  # blocks vLLM hashes in no whole hashes: it announces none of its own for them either
             stored = self._stored(request, engine_group.index, chunk, block_size)
             events.append(_Chunk(stored, entries, set(entries)))
         return events
