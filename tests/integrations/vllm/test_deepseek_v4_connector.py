@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,8 +127,12 @@ def test_vllms_engine_starts_on_deepseek_v4_and_both_sides_name_the_same_entries
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's engine runs on this machine only in its CPU build (0.32)")
+    # As the other engine tests run theirs (engine_runner): a cache of 1 GiB, not a share of the machine's memory
+    # (vLLM's CPU build refuses to start when other tests hold what that share needs), this checkout's source.
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     result = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.deepseek_v4_engine", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=environment, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["scheduler_fingerprint"] == report["worker_fingerprint"]
