@@ -9,7 +9,6 @@ JSON of ``--json``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from kvgroups.core.dtypes import dtype_name
 from kvgroups.core.formatting import compact_ranges
 from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.metadata import LMCacheMetadata
+from kvgroups.core.sizes import per_token
 from kvgroups.models.capacity import Fit, GroupCost, memory_needed, tokens_that_fit
 from kvgroups.models.engine import CrossAttention, EngineParams, RankBuild, build_rank
 from kvgroups.models.layers import ModelSpec
@@ -207,10 +207,10 @@ def _times(tokens: int | None, sequences: int) -> int | None:
     return None if tokens is None else tokens * sequences
 
 
-def exact(value: float | Fraction) -> float:
+def exact(value: float) -> float:
     """``value`` as an int where it is whole (JSON keeps ints as before), else as the float it is (a page over
     a power-of-two block: exact in binary)."""
-    return int(value) if float(value).is_integer() else float(value)
+    return int(value) if float(value).is_integer() else value
 
 
 def _page_costs(build: RankBuild, group: KVLayerGroupInfo) -> tuple[float, int | None, int | None]:
@@ -221,7 +221,7 @@ def _page_costs(build: RankBuild, group: KVLayerGroupInfo) -> tuple[float, int |
         return group.bytes_per_token, None, None
     kinds = {(page.block_tokens, page.page_bytes) for page in pages if page is not None}
     (block_tokens, page_bytes), = kinds  # equal specs and shapes group together: one page per group
-    return exact(Fraction(page_bytes * group.num_layers, block_tokens)), block_tokens, page_bytes
+    return per_token(page_bytes * group.num_layers, block_tokens), block_tokens, page_bytes
 
 
 def _group_rows(build: RankBuild) -> tuple[GroupReport, ...]:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from kvgroups.core.cache_specs import EveryToken, LayerKind, TokenCache, positive_int, registered
 from kvgroups.core.layouts import KVLayout
+from kvgroups.core.sizes import ceil_div, per_token
 
 
 @registered
@@ -33,16 +34,15 @@ class CompressedRows(EveryToken):
     def accepts_layout(self, layout: KVLayout) -> bool:
         return layout is KVLayout.MLA
 
-    def bytes_per_token(self, slot_bytes: int) -> float:
-        rows, remainder = divmod(slot_bytes, self.tokens_per_row)
-        return rows if remainder == 0 else slot_bytes / self.tokens_per_row
+    def bytesper_token(self, slot_bytes: int) -> float:
+        return per_token(slot_bytes, self.tokens_per_row)
 
     def slot_range(self, start: int, end: int) -> tuple[int, int]:
         return start // self.tokens_per_row, end // self.tokens_per_row
 
     def chunk_slots(self, num_tokens: int) -> int:
         # A chunk that is no multiple of the rows' tokens completes one row more or less: room for the most.
-        return -(-num_tokens // self.tokens_per_row)
+        return ceil_div(num_tokens, self.tokens_per_row)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "tokens_per_row": self.tokens_per_row}
@@ -80,9 +80,8 @@ class WindowPages(TokenCache):
     def tokens_needed(self, boundary: int) -> tuple[int, int]:
         return max(0, boundary - self.pages * self.page_tokens), boundary
 
-    def bytes_per_token(self, slot_bytes: int) -> float:
-        rows, remainder = divmod(slot_bytes, self.page_tokens)
-        return rows if remainder == 0 else slot_bytes / self.page_tokens
+    def bytesper_token(self, slot_bytes: int) -> float:
+        return per_token(slot_bytes, self.page_tokens)
 
     def slot_range(self, start: int, end: int) -> tuple[int, int]:
         # The pages a chunk ending at ``end`` holds, or a boundary at ``end`` needs: the last ones before it.
@@ -90,7 +89,7 @@ class WindowPages(TokenCache):
         return max(0, last - self.pages), last
 
     def chunk_slots(self, num_tokens: int) -> int:
-        return min(self.pages, -(-num_tokens // self.page_tokens))
+        return min(self.pages, ceil_div(num_tokens, self.page_tokens))
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "page_tokens": self.page_tokens, "pages": self.pages}
@@ -103,4 +102,4 @@ class WindowPages(TokenCache):
 def window_pages(window_tokens: int, page_tokens: int) -> WindowPages:
     """The pages a window of ``window_tokens`` (its query's own row included) needs before a boundary, as vLLM's
     sliding-window manager keeps them: ``ceil((window_tokens - 1) / page_tokens)``."""
-    return WindowPages(page_tokens=page_tokens, pages=max(1, -(-(window_tokens - 1) // page_tokens)))
+    return WindowPages(page_tokens=page_tokens, pages=max(1, ceil_div(window_tokens - 1, page_tokens)))

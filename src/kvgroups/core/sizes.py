@@ -36,3 +36,10 @@ def parse_size(text: str, what: str) -> int:
             f"(KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 8GiB"
         )
     return int(float(match.group(1)) * unit)
+
+
+def per_token(total_bytes: int, tokens: int) -> float:
+    """``total_bytes`` over ``tokens`` (a slot's or a page's bytes over the tokens it serves): an int where they
+    divide, else the float quotient (exact for the power-of-two blocks engines use)."""
+    whole, remainder = divmod(total_bytes, tokens)
+    return whole if remainder == 0 else total_bytes / tokens
