@@ -7,6 +7,10 @@ The model's forward is stood in for by the worker's buffer, filled with random b
 holds is what a forward would have written, so that a worker that saved a prompt and another that loaded it
 must hold the same bytes where the boundary needs them (every compressed row and indexer key before it, the
 window's and the compressor states' last pages). Runs on vLLM 0.32, 0.33 and 0.34.
+
+On vLLM 0.32 (its CPU build), two of vLLM's engines, one after the other, serve a prompt with a stand-in forward
+that writes known bytes where vLLM's kernels would (:mod:`tests.integrations.vllm.deepseek_v4_engine`): the one
+that loads holds every byte the one that saved wrote, and answers from them alike.
 """
 
 from __future__ import annotations
@@ -119,24 +123,35 @@ def test_every_deepseek_v4_group_is_restored_byte_for_byte_at_vllms_hits(tmp_pat
                            for group in loader.deployment.groups)
 
 
-def test_vllms_engine_starts_on_deepseek_v4_and_both_sides_name_the_same_entries(tmp_path: Path) -> None:
-    """vLLM 0.32's engine (its CPU build) started on a tiny random DeepSeek-V4 with the connector: the worker binds
-    every cache vLLM allocates (moved by page), and the scheduler side, which vLLM hands one spec per group, plans
-    the same groups (the same fingerprint, so the same keys)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("vLLM's engine runs on this machine only in its CPU build (0.32)")
+def served_by_an_engine(store: Path) -> dict[str, Any]:
+    """One vLLM 0.32 engine (its CPU build) on a tiny random DeepSeek-V4, its forward stood in for
+    (:mod:`tests.integrations.vllm.deepseek_v4_engine`), serving one prompt through the connector on ``store``."""
     # As the other engine tests run theirs (engine_runner): a cache of 1 GiB, not a share of the machine's memory
     # (vLLM's CPU build refuses to start when other tests hold what that share needs), this checkout's source.
     environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    result = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.deepseek_v4_engine", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.deepseek_v4_engine", str(store)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT, env=environment, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["scheduler_fingerprint"] == report["worker_fingerprint"]
-    layers = {layer: group["spec"] for group in report["groups"] for layer in group["layers"]}
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_two_engines_one_saving_one_loading_hold_every_deepseek_v4_page_alike(tmp_path: Path) -> None:
+    """vLLM's engine started on DeepSeek-V4 with the connector: the worker binds every cache vLLM allocates (moved by
+    page) and the scheduler side, which vLLM hands one spec per group, plans the same groups (the same fingerprint,
+    so the same keys). Two engines, one after the other, serve the same 600-token prompt with a stand-in forward:
+    the second loads 512 tokens (vLLM's own hit there) and then holds, in every group, every byte the first wrote
+    of every page the boundary needs (each compressed page before it, the window's and the compressor states' last
+    pages) and of every page both computed after it; its answer, read from those bytes, is the first's."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's engine runs on this machine only in its CPU build (0.32)")
+    store = tmp_path / "kv"
+    saver = served_by_an_engine(store)
+    assert saver["scheduler_fingerprint"] == saver["worker_fingerprint"]
+    layers = {layer: group["spec"] for group in saver["groups"] for layer in group["layers"]}
     assert layers["model.layers.0.attn.swa_cache"] == {"kind": "window_pages", "page_tokens": 64, "pages": 2}
     assert layers["model.layers.2.attn"] == layers["model.layers.3.attn"] == {
         "kind": "compressed", "tokens_per_row": 256}
@@ -145,7 +160,27 @@ def test_vllms_engine_starts_on_deepseek_v4_and_both_sides_name_the_same_entries
     assert layers["model.layers.3.attn.compressor.state_cache"] == {"kind": "window_pages", "page_tokens": 8,
                                                                     "pages": 16}
     assert len(layers) == 5 + 3 + 2 * 2 + 3  # windows, rows, the CSA layers' indexers and states, the states
-    assert set(report["engine_group_blocks"]) == {4, 8, 64, 256} and report["chunk_size"] == 256
+    assert set(layers) == set(saver["pages"])
+    assert set(saver["engine_group_blocks"]) == {4, 8, 64, 256} and saver["chunk_size"] == 256
+    assert saver["cached"] == 0
+
+    loader = served_by_an_engine(store)
+    assert loader["cached"] == 512  # the longest multiple of 256 before the last token, as vLLM's own cache hits
+    assert loader["tokens"] == saver["tokens"]
+    compared = 0
+    for layer, spec in layers.items():
+        # The first page the boundary at 512 needs: every compressed page; a window's last `pages` pages before it.
+        first = 0 if spec["kind"] == "compressed" else 512 // spec["page_tokens"] - spec["pages"]
+        ours, theirs = saver["pages"][layer], loader["pages"][layer]
+        pages = [index for index in ours if int(index) >= first]
+        assert len(pages) == len(ours) - first  # the request's every page from there on
+        for index in pages:
+            assert theirs.get(index) == ours[index], (layer, index)
+        compared += len(pages)
+    # Positions 0-602 written (the prompt, then 3 of the 4 tokens answered fed back): 3 pages per compressed layer (2
+    # loaded, 1 computed), the windows' 2 loaded of 64 tokens + 2 computed, the ratio-4 states' 2 loaded + 23
+    # computed, the ratio-128 states' 16 + 12.
+    assert compared == 5 * 3 + 5 * 4 + 4 * 25 + 28
 
 
 def test_kv_events_announce_each_deepseek_v4_group_s_stored_chunks(tmp_path: Path) -> None:
