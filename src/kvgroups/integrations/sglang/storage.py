@@ -26,7 +26,15 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvgroups.integrations.sglang.page_store import PageStore
-from kvgroups.integrations.sglang.pools import KV_POOL, PagePool, RankInfo, describe_pool
+from kvgroups.integrations.sglang.pools import (
+    KV_POOL,
+    PagePool,
+    RankInfo,
+    UnsupportedPoolError,
+    deepseek_v4_pools,
+    describe_pool,
+    is_deepseek_v4_anchor,
+)
 from kvgroups.integrations.sglang.prefix_hits import POLICIES, PoolPresence, leading, prefix_hits
 from kvgroups.integrations.sglang.settings import BackendSettings
 
@@ -69,6 +77,20 @@ class KVGroupsHiCacheStorage(HiCacheStorage):
         pool = describe_pool(name, host_pool, self.rank)
         self.pages.add_pool(pool)
         self.pools[name] = pool
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang registered every pool: DeepSeek-V4's byte pools and its logical anchor come together or not at
+        all (an anchor alone would store markers of pages nobody holds; a byte pool without the anchor would be
+        asked under another pool's indices)."""
+        super().on_host_pools_registered()
+        kv = self.pools.get(KV_POOL)
+        byte_pools = sorted(name for name in self.pools if name in deepseek_v4_pools())
+        if kv is not None and is_deepseek_v4_anchor(kv) and not byte_pools:
+            raise UnsupportedPoolError("SGLang registered a logical anchor pool and none of DeepSeek-V4's pools beside "
+                                       f"it ({', '.join(deepseek_v4_pools())}): nothing to store")
+        if byte_pools and (kv is None or not is_deepseek_v4_anchor(kv)):
+            raise UnsupportedPoolError(f"SGLang registered DeepSeek-V4's pools {', '.join(byte_pools)} without their "
+                                       "logical anchor as the 'kv' pool")
 
     def _pool(self) -> PagePool:
         pool = self.pools.get(KV_POOL)
