@@ -3,6 +3,7 @@ from the raw JSON by :mod:`recompute` (which shares no code with the library).""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -203,3 +204,35 @@ def test_mimo_v2_flash_is_planned_as_vllm_stores_it_and_padded_only_where_a_layo
     assert [(group["tensor_shape"], group["bytes_per_token"]) for group in pairs["groups"]] == [
         ([16, 1, 16, 192], 9 * 1 * 320 * 2), ([16, 2, 16, 192], 39 * 2 * 320 * 2)]
     assert pairs["metadata"]["kv_layer_groups_manager"]["groups"][0]["value_head_size"] == 128
+
+
+def test_readers_of_this_season_plan_their_config_classes_defaults() -> None:
+    """dots3, Inkling and Kolibri 1.1 (verified against transformers' caches by the sweep, at two tiny sizes) on
+    their config classes' own defaults, worked out by hand."""
+    from transformers import AutoConfig
+
+    def report(model_type: str) -> dict[str, Any]:
+        config = json.loads(AutoConfig.for_model(model_type).to_json_string())
+        return inspect({**config, "torch_dtype": "bfloat16"}, 1, "bfloat16")
+
+    def kinds(found: dict[str, Any]) -> list[tuple[str, int, str, int, int]]:
+        return [(group["kind"], group["num_layers"], group["layout"], group["bytes_per_token"],
+                 group["bytes_per_sequence"]) for group in found["groups"]]
+
+    # dots3: 13 indexed layers (0, 1, 5, 9, ..., 45) keep a latent of 512 + 64 and indexer keys of 128 + 4 bytes;
+    # the 33 others slide over 512 tokens with latents of their own (1024 + 64), one row a token as MLA keeps it.
+    assert kinds(report("dots3_note_text")) == [("mla", 13, "mla", 13 * 576 * 2, 0), ("mla", 13, "mla", 13 * 132, 0),
+                                                ("sliding_window", 33, "mla", 33 * 1088 * 2, 0)]
+    # Inkling: 55 sliding layers (16 K/V heads of 128) and 11 full ones (8 of 128), each with four float32 conv
+    # states of (channels, 3): over its K and V projections and over the hidden size (6144) twice.
+    assert kinds(report("inkling_text")) == [
+        ("sliding_window", 55, "flash_attn", 55 * 2 * 16 * 128 * 2, 0),
+        ("recurrent", 55, "recurrent", 0, 55 * (2 * 2048 + 2 * 6144) * 3 * 4),
+        ("full_attention", 11, "flash_attn", 11 * 2 * 8 * 128 * 2, 0),
+        ("recurrent", 11, "recurrent", 0, 11 * (2 * 1024 + 2 * 6144) * 3 * 4)]
+    # Kolibri 1.1: 40 sliding layers; of the 10 indexed ones (every 5th) 4 keep their K/V (4, 19, 24, 29) and
+    # 6 read another's (its default kv_source_layers).
+    found = report("kolibri1_1")
+    assert kinds(found) == [("sliding_window", 40, "flash_attn", 40 * 2 * 4 * 128 * 2, 0),
+                            ("full_attention", 4, "flash_attn", 4 * 2 * 4 * 128 * 2, 0)]
+    assert found["groups"][1]["model_layers"] == [4, 19, 24, 29]

@@ -169,6 +169,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 # Size "b" overrides where a type's own override fixes a number that size "b" changes.
 OVERRIDES_B: dict[str, dict[str, Any]] = {
+    # NVFP4 rounding of its K/V needs a head size that is a multiple of 16; three indexed-attention layers, the
+    # second and third reading the first's K/V (its default kv_source_layers)
+    "kolibri1_1": dict(head_dim=32, num_hidden_layers=15),
+    # a full-attention layer (its own heads and head size) beside the sliding ones
+    **{model_type: dict(layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid_sliding"])
+       for model_type in ("inkling_text", "inkling2_text")},
     "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
     # its rotary dims must fit the indexer's head
     "qwen4_exp_text": dict(indexer_head_dim=24),
@@ -203,6 +209,11 @@ SUB_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         num_kv_shared_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
         initializer_range=0.1)},
+}
+
+# Size "b": sub-config kwargs that follow its other text hidden size.
+SUB_OVERRIDES_B: dict[str, dict[str, dict[str, Any]]] = {
+    "dots3_note": {"vision_config": dict(adapter_out_dim=96), "audio_config": dict(adapter_out_dim=96)},
 }
 
 
@@ -250,7 +261,8 @@ def kwargs_for(model_type: str, size: str = "a") -> dict[str, Any]:
     kwargs = generic_for(cls, generic)
     _mla_rule(cls, kwargs, generic)
     subs = dict(getattr(cls, "sub_configs", {}) or {})
-    sub_over = SUB_OVERRIDES.get(model_type, {})
+    sub_over = {name: {**fields, **(SUB_OVERRIDES_B.get(model_type, {}).get(name, {}) if size == "b" else {})}
+                for name, fields in SUB_OVERRIDES.get(model_type, {}).items()}
     if subs:
         # Each sub-config's class from a default instance (AutoConfig sub-configs have a default type).
         try:

@@ -180,7 +180,8 @@ def expected(config: dict[str, Any]) -> list[list[Entry]]:
             return [("kv", layer.num_kv_heads, layer.head_size, layer.num_kv_heads,
                      layer.value_head_size or layer.head_size, window, kv)]
         if isinstance(layer, MLALayer | IndexedMLALayer):
-            found: list[Entry] = [("kv", 1, layer.kv_lora_rank, 1, layer.qk_rope_head_dim, None, kv)]
+            window_tokens = layer.window_tokens if isinstance(layer, MLALayer) else None
+            found: list[Entry] = [("kv", 1, layer.kv_lora_rank, 1, layer.qk_rope_head_dim, window_tokens, kv)]
             if isinstance(layer, IndexedMLALayer) and layer.has_indexer:
                 found.append(("indexer", layer.index_head_dim, kv))
             return found
@@ -335,11 +336,8 @@ PREFIX_REASONS: dict[str, str] = {
 INSPECT_REFUSED: dict[str, str] = {
     "blt": "its caches are built from patcher, encoder, decoder and global sub-configs; no reader",
     "dory": "its recurrent loops keep a cache per pass (n_recurrent_loops), more caches than layers; no reader",
-    "dots3_note_text": "its sliding layers keep MLA latents in a window: no cache kind here for a windowed latent",
-    **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text"),
-                    "its layers keep four short-convolution states beside sliding K/V; no reader"),
-    "kolibri1_1": "its indexed-attention layers read the K/V of other layers (kv_source_layers) beside sliding "
-                  "layers; no reader for the sharing",
+    "inkling2_loop_text": "its recurrent passes over shared layers keep a cache per pass, more caches than layers; "
+                          "no reader",
     "openai-gpt": "its forward keeps no cache",
     "qwen4_exp_text": "its indexed layers keep indexer position ids and its PLE layers an int64 n-gram token context: "
                       "no cache kind here describes them",

@@ -183,6 +183,7 @@ class Family:
     layer_types: Mapping[str, LayerReader] = field(default_factory=dict)
     reads_layer_types: bool = True
     reads: frozenset[str] = frozenset()  # fields that change the cache and that ``read`` understands
+    reads_per_layer_config: bool = False  # ``read`` applies the config's per_layer_config itself
     aliases: Mapping[str, str] = field(default_factory=dict)  # usual field name -> this family's spelling
 
     @property
@@ -195,6 +196,8 @@ class Family:
         layer_types = config.data.get("layer_types")
         if self.reads_layer_types and isinstance(layer_types, list):
             return _per_layer(config, self.from_layer_types(config, layer_types))
+        if self.reads_per_layer_config:
+            return self.read(config)
         return _per_layer(config, self.read(config))
 
     def from_layer_types(self, config: ConfigFields, layer_types: Sequence[Any]) -> list[ModelLayer]:
@@ -256,11 +259,12 @@ FAMILIES: dict[str, Family] = {}
 def family(
     *model_types: str, defaults: Mapping[str, Any] | None = None,
     layer_types: Mapping[str, LayerReader] | None = None, reads_layer_types: bool = True,
-    reads: Iterable[str] = (), aliases: Mapping[str, str] | None = None,
+    reads: Iterable[str] = (), aliases: Mapping[str, str] | None = None, reads_per_layer_config: bool = False,
 ) -> Callable[[Reader], Reader]:
     def register(read: Reader) -> Reader:
         family = Family(read=read, defaults=defaults or {}, layer_types=layer_types or {},
-                        reads_layer_types=reads_layer_types, reads=frozenset(reads), aliases=aliases or {})
+                        reads_layer_types=reads_layer_types, reads=frozenset(reads), aliases=aliases or {},
+                        reads_per_layer_config=reads_per_layer_config)
         for model_type in model_types:
             FAMILIES[model_type] = family
         return read

@@ -187,7 +187,7 @@ def _plan(name: str, index: int, cache: RankCache, dtype: torch.dtype, params: E
         geometry = CacheGeometry(kv_size=1, num_blocks=params.seqs, block_size=1, num_heads=1,
                                  head_size=spec.state_elements)
     else:
-        layout = kv_layout if spec.accepts_layout(kv_layout) else KVLayout.MLA
+        layout = kv_layout if spec.accepts_layout(kv_layout) and not cache.single_row else KVLayout.MLA
         head_size, value_head_size = cache.head_size, cache.value_head_size
         if value_head_size is not None and not layout.holds_value_head_size:
             # K and V planes of one head size: values held padded to the larger.

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState
+from kvgroups.core.cache_specs import FullAttention, LayerCacheSpec, MLAttention, RecurrentState, SlidingWindow
 from kvgroups.errors import ModelConfigError
 
 
@@ -62,6 +62,9 @@ class RankCache:
     part: str = "k/v"
     tokens_per_image: int | None = None
     packing: RowPacking | None = None  # pages the engine fixes itself (None: --block-size, unpadded)
+    # One row per token for keys and values alike (an MLA latent, windowed or not): held in MLA's layout whatever
+    # layout the attention caches take.
+    single_row: bool = False
 
     @property
     def holds(self) -> str:
@@ -160,10 +163,12 @@ class CrossAttentionLayer:
 
 @dataclass(frozen=True, kw_only=True)
 class MLALayer:
-    """One latent of ``kv_lora_rank + qk_rope_head_dim`` per token, the same on every rank."""
+    """One latent of ``kv_lora_rank + qk_rope_head_dim`` per token, the same on every rank; of the last
+    ``window_tokens`` tokens only where the layer slides (dots3's sliding layers)."""
 
     kv_lora_rank: int
     qk_rope_head_dim: int
+    window_tokens: int | None = None
 
     @property
     def latent_size(self) -> int:
@@ -171,11 +176,13 @@ class MLALayer:
 
     @property
     def summary(self) -> str:
-        return f"mla {self.kv_lora_rank}+{self.qk_rope_head_dim}"
+        window = f" window {self.window_tokens}" if self.window_tokens else ""
+        return f"mla {self.kv_lora_rank}+{self.qk_rope_head_dim}{window}"
 
     def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
-        return (RankCache(spec=MLAttention(), num_kv_heads=1, head_size=self.latent_size, replicated=True,
-                          mixer="mla", part="latent"),)
+        spec: LayerCacheSpec = SlidingWindow(window_tokens=self.window_tokens) if self.window_tokens else MLAttention()
+        return (RankCache(spec=spec, num_kv_heads=1, head_size=self.latent_size, replicated=True, mixer="mla",
+                          part="latent", single_row=True),)
 
 
 # A sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): fp8 values with one fp32 scale per

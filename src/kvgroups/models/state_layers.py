@@ -124,6 +124,28 @@ class ShortConvLayer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ConvStates:
+    """Short convolutions a layer runs beside its mixer, each keeping the last ``conv_kernel - 1`` inputs of its
+    channels, in float32 whatever the model's dtype (Inkling: over the K and V projections, the attention's output
+    and the MLP's: the modules run in float32)."""
+
+    channels: tuple[int, ...]
+    conv_kernel: int
+
+    @property
+    def summary(self) -> str:
+        return f"{len(self.channels)} conv states"
+
+    def rank_caches(self, tp: int, layer_index: int) -> tuple[RankCache, ...]:
+        caches = []
+        for number, channels in enumerate(self.channels):
+            part = state_part((split_exactly(channels, tp, "conv channels", layer_index), self.conv_kernel - 1),
+                              CacheRole.CONV_STATE, "short_conv", f"conv{number}")
+            caches.append(dataclasses.replace(part, fixed_dtype="float32"))
+        return tuple(caches)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LightningAttentionLayer:
     """Lightning (linear) attention (MiniMax-Text-01 / M1): one ``(heads, head_dim, head_dim)`` state.
 

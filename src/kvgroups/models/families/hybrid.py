@@ -1,15 +1,17 @@
 """Linear-attention hybrids: gated DeltaNet (Qwen3-Next, Qwen3.5), lightning attention (MiniMax),
-short convolutions (LFM2), each beside full-attention layers."""
+short convolutions (LFM2), each beside full-attention layers; attention with short convolutions around it in
+every layer (Inkling)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvgroups.core.cache_specs import FullAttention, SlidingWindow
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.config_fields import ConfigFields, family, from_layer_types
-from kvgroups.models.layers import ModelLayer
-from kvgroups.models.state_layers import GatedDeltaNetLayer, LightningAttentionLayer, ShortConvLayer
+from kvgroups.models.layers import AttentionLayer, ModelLayer, ParallelLayer
+from kvgroups.models.state_layers import ConvStates, GatedDeltaNetLayer, LightningAttentionLayer, ShortConvLayer
 
 _GDN_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
                "linear_conv_kernel_dim", "mamba_ssm_dtype")
@@ -95,3 +97,61 @@ def _lfm2(config: ConfigFields) -> list[ModelLayer]:
     if config.get("full_attn_idxs") is not None:
         full = config.layer_indices("full_attn_idxs")
     return from_layer_types(config, ["full_attention" if index in full else "conv" for index in range(num_layers)])
+
+
+# --- Inkling: every layer attention (sliding or full) with four short convolutions around it ------------------
+_INKLING_READS = ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "conv_kernel_size",
+                  "local_layer_ids")
+_INKLING_SLIDING, _INKLING_FULL = "hybrid_sliding", "hybrid"
+
+
+def _inkling_layer(config: ConfigFields, sliding: bool) -> ModelLayer:
+    """Attention (a ``sliding_window`` of the ``swa_`` heads, or the whole context) and the conv states of its K
+    and V projections, of the attention's output and of the MLP's."""
+    if sliding:
+        window = config.sliding_window()
+        attention = AttentionLayer(spec=SlidingWindow(window_tokens=window) if window else FullAttention(),
+                                   num_kv_heads=config.integer("swa_num_key_value_heads"),
+                                   head_size=config.integer("swa_head_dim"))
+    else:
+        attention = config.attention(FullAttention())
+    kv_channels = attention.num_kv_heads * attention.head_size
+    hidden = config.integer("hidden_size")
+    convs = ConvStates(channels=(kv_channels, kv_channels, hidden, hidden),
+                       conv_kernel=config.integer("conv_kernel_size", minimum=2))
+    return ParallelLayer(mixers=(attention, convs))
+
+
+def _inkling(default_sliding: Callable[[ConfigFields, int], bool]) -> Callable[[ConfigFields], list[ModelLayer]]:
+    def read(config: ConfigFields) -> list[ModelLayer]:
+        count = config.integer("num_hidden_layers")
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            layer_types = [_INKLING_SLIDING if default_sliding(config, index) else _INKLING_FULL
+                           for index in range(count)]
+        if not isinstance(layer_types, list) or len(layer_types) != count or \
+                set(layer_types) - {_INKLING_SLIDING, _INKLING_FULL}:
+            raise ModelConfigError(f"layer_types must list {_INKLING_SLIDING!r} or {_INKLING_FULL!r} for each of "
+                                   f"{count} layers, got {layer_types!r}")
+        return [_inkling_layer(config, kind == _INKLING_SLIDING) for kind in layer_types]
+
+    return read
+
+
+def _inkling_local(config: ConfigFields, index: int) -> bool:
+    """``local_layer_ids`` slide; without them every layer but each 6th (Inkling's config class)."""
+    if config.get("local_layer_ids") is not None:
+        return index in config.layer_indices("local_layer_ids")
+    return bool((index + 1) % 6)
+
+
+family("inkling_text", reads_layer_types=False, reads=_INKLING_READS, aliases={"sliding_window": "sliding_window_size"},
+       defaults={"num_hidden_layers": 66, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                 "hidden_size": 6144, "swa_num_key_value_heads": 16, "swa_head_dim": 128, "sliding_window_size": 512,
+                 "max_position_embeddings": 131072, "conv_kernel_size": 4})(_inkling(_inkling_local))
+family("inkling2_text", reads_layer_types=False, reads=_INKLING_READS,
+       aliases={"sliding_window": "sliding_window_size"},
+       defaults={"num_hidden_layers": 48, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+                 "hidden_size": 4608, "swa_num_key_value_heads": 8, "swa_head_dim": 128, "sliding_window_size": 1024,
+                 "max_position_embeddings": 1048576, "conv_kernel_size": 4})(
+    _inkling(lambda config, index: bool((index + 1) % 6)))

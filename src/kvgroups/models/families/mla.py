@@ -1,10 +1,14 @@
 """Multi-head latent attention families (DeepSeek V2/V3, Kimi K2): one latent per token; and the
-sparse-attention (DSA) ones (DeepSeek-V3.2, GLM-5) whose indexer keeps a key per token as well."""
+sparse-attention (DSA) ones (DeepSeek-V3.2, GLM-5) whose indexer keeps a key per token as well; dots3, whose
+sliding layers keep latents of their own size in a window."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from kvgroups.errors import ModelConfigError
-from kvgroups.models.config_fields import ConfigFields, family
+from kvgroups.models.config_fields import ConfigFields, changes_the_cache, family
 from kvgroups.models.layers import (
     IndexedMLALayer,
     MLALayer,
@@ -104,3 +108,62 @@ def _hy_v4(config: ConfigFields) -> list[ModelLayer]:
         config = ConfigFields({**config.data, "indexer_types": kinds}, config.model_type, config.family,
                               outer=config.outer)
     return _dsa(config)
+
+
+# dots3: indexed-attention layers (a latent and an indexer's keys), full-attention ones (a latent), and sliding
+# ones whose latent (its own kv_lora_rank and qk_rope_head_dim, from per_layer_config) is kept for the window.
+_DOTS3_LAYER_TYPES = ("indexed_attention", "full_attention", "sliding_attention")
+# per_layer_config fields that leave a latent as it is (the query's and the values' sizes, heads).
+_DOTS3_PER_LAYER_QUIET = frozenset({"head_dim", "v_head_dim", "num_key_value_heads", "num_attention_heads",
+                                    "q_lora_rank", "qk_nope_head_dim"})
+
+
+def _dots3_overrides(config: ConfigFields, count: int) -> dict[int, Mapping[str, Any]]:
+    overrides = config.data.get("per_layer_config") or {}
+    if not isinstance(overrides, Mapping):
+        raise ModelConfigError(f"per_layer_config must map layer indices to fields, got {overrides!r}")
+    found: dict[int, Mapping[str, Any]] = {}
+    for key, fields in overrides.items():
+        index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
+        if not 0 <= index < count or not isinstance(fields, Mapping):
+            raise ModelConfigError(f"per_layer_config entry {key!r}: expected a layer index below {count} mapped to "
+                                   f"fields, got {fields!r}")
+        unread = sorted(name for name in fields if changes_the_cache(name) and name not in _DOTS3_PER_LAYER_QUIET
+                        and name not in ("kv_lora_rank", "qk_rope_head_dim"))
+        if unread:
+            raise ModelConfigError(f"per_layer_config[{key!r}] sets {unread}, which change what layer {index} caches "
+                                   f"and are not read; refusing to guess")
+        found[index] = fields
+    return found
+
+
+@family("dots3_note_text", reads_layer_types=False, reads_per_layer_config=True, reads=_DSA_FIELDS,
+        defaults={**_mla_defaults(46, 128, 5120, 524288), "index_head_dim": 128, "index_n_heads": 64,
+                  "index_topk": 2048, "sliding_window": 512})
+def _dots3(config: ConfigFields) -> list[ModelLayer]:
+    """``layer_types`` (else dots3's: indexed attention in layers 0, 1 and every 4th from 1, the others slide);
+    a layer's latent sizes from its ``per_layer_config`` entry, else the config's."""
+    count = config.integer("num_hidden_layers")
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        layer_types = [_DOTS3_LAYER_TYPES[0] if index < 2 or index % 4 == 1 else _DOTS3_LAYER_TYPES[2]
+                       for index in range(count)]
+    if not isinstance(layer_types, list) or len(layer_types) != count or set(layer_types) - set(_DOTS3_LAYER_TYPES):
+        raise ModelConfigError(f"layer_types must list one of {', '.join(_DOTS3_LAYER_TYPES)} for each of {count} "
+                               f"layers, got {layer_types!r}")
+    overrides = _dots3_overrides(config, count)
+    window = config.sliding_window()
+    layers: list[ModelLayer] = []
+    for index, kind in enumerate(layer_types):
+        fields = overrides.get(index, {})
+        rank, rope = (fields.get(name, config.integer(name)) for name in ("kv_lora_rank", "qk_rope_head_dim"))
+        if not all(isinstance(value, int) and value >= 1 for value in (rank, rope)):
+            raise ModelConfigError(f"per_layer_config[{index}]: kv_lora_rank {rank!r}, qk_rope_head_dim {rope!r}; "
+                                   f"expected positive ints")
+        if kind == "indexed_attention":
+            layers.append(IndexedMLALayer(kv_lora_rank=rank, qk_rope_head_dim=rope,
+                                          index_head_dim=config.integer("index_head_dim")))
+        else:
+            layers.append(MLALayer(kv_lora_rank=rank, qk_rope_head_dim=rope,
+                                   window_tokens=window if kind == "sliding_attention" else None))
+    return layers

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from kvgroups.core.cache_specs import FullAttention, SlidingWindow
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import ModelConfigError
 from kvgroups.models.config_fields import ConfigFields, family, from_layer_types
-from kvgroups.models.layers import ModelLayer
+from kvgroups.models.layers import ModelLayer, NoCacheLayer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 Pattern = Callable[[ConfigFields, int, int], bool]  # (config, layer, layers) -> whether the layer slides
@@ -148,3 +149,55 @@ def _with_window(config: ConfigFields, window: int) -> ConfigFields:
     wrapped = ConfigFields(data, config.model_type, config.family, outer=config.outer)
     wrapped.warnings = config.warnings
     return wrapped
+
+
+# Kolibri 1.1: for each indexed-attention layer, which indexed-attention layer's K/V it reads (its config class's
+# default ``kv_source_layers``, by position among the indexed layers).
+_KOLIBRI1_1_SOURCES = (0, 0, 0, 3, 4, 5, 5, 5, 5, 0)
+_INDEXED = "indexed_attention"
+
+
+@family("kolibri1_1", reads_layer_types=False,
+        defaults=_defaults(50, 48, 2560, 262144, 513, num_key_value_heads=4, head_dim=128),
+        # Its indexers score keys with the query heads and keep nothing: the index_ fields change no cache.
+        reads=("kv_source_layers", "index_layers", "index_topk", "index_pool_size", "index_compression",
+               "index_num_heads", "index_num_local_tokens", "index_num_sink_tokens"))
+def _kolibri1_1(config: ConfigFields) -> list[ModelLayer]:
+    """Sliding layers, and indexed-attention layers (``layer_types``; else every 5th) that attend over the whole
+    context with the K/V of the indexed layer ``kv_source_layers`` names: a layer that is its own source keeps
+    them, the others keep nothing."""
+    count = config.integer("num_hidden_layers")
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        layer_types = [_INDEXED if (index + 1) % 5 == 0 else SLIDING for index in range(count)]
+    if not isinstance(layer_types, list) or len(layer_types) != count or set(layer_types) - {_INDEXED, SLIDING}:
+        raise ModelConfigError(f"layer_types must list {_INDEXED!r} or {SLIDING!r} for each of {count} layers, got "
+                               f"{layer_types!r}")
+    indexed = [index for index, kind in enumerate(layer_types) if kind == _INDEXED]
+    sources = config.int_list("kv_source_layers")
+    if sources is None:
+        if len(indexed) > len(_KOLIBRI1_1_SOURCES):
+            raise ModelConfigError(f"{len(indexed)} indexed-attention layers and no kv_source_layers: the default "
+                                   f"covers {len(_KOLIBRI1_1_SOURCES)}, as transformers' does")
+        sources = list(range(count))
+        for layer, source in zip(indexed, _KOLIBRI1_1_SOURCES, strict=False):
+            sources[layer] = indexed[source]
+    if len(sources) != count:
+        raise ModelConfigError(f"kv_source_layers has {len(sources)} entries for {count} layers")
+    window = config.sliding_window()
+    layers: list[ModelLayer] = []
+    for index, kind in enumerate(layer_types):
+        source = sources[index]
+        if kind == SLIDING:
+            if source != index:
+                raise ModelConfigError(f"layer {index}: a sliding layer reads its own K/V, kv_source_layers names "
+                                       f"layer {source}")
+            layers.append(config.attention(SlidingWindow(window_tokens=window) if window else FullAttention()))
+        elif source == index:
+            layers.append(config.attention(FullAttention()))
+        elif 0 <= source < index and layer_types[source] == _INDEXED and sources[source] == source:
+            layers.append(NoCacheLayer(reason=f"reads layer {source}'s K/V"))
+        else:
+            raise ModelConfigError(f"layer {index}: kv_source_layers names layer {source}; expected an earlier "
+                                   f"indexed-attention layer that keeps its own K/V")
+    return layers
