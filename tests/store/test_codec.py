@@ -24,7 +24,7 @@ from kvgroups.store.entries.codec import (
 from kvgroups.store.entries.secret import StoreSecret
 
 SECRET = StoreSecret(b"k" * 32)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int64)
 
 
 def _info(key: str, dtype: torch.dtype, numel: int) -> EntryInfo:
@@ -38,8 +38,12 @@ def _info(key: str, dtype: torch.dtype, numel: int) -> EntryInfo:
 def test_an_entry_sealed_in_a_slot_is_the_entry_encode_entry_writes(
         dtype: torch.dtype, shape: list[int], permutation_seed: int, seal: str, key_length: int, reuse: bool) -> None:
     generator = torch.Generator().manual_seed(permutation_seed)
-    base = torch.randint(0, 256, (*shape, 2), dtype=torch.uint8, generator=generator).view(dtype) \
-        if dtype.itemsize == 1 else torch.randn(*shape, 2, generator=generator).to(dtype)
+    if dtype == torch.int64:  # token ids and positions: any 64-bit value
+        base = torch.randint(-(1 << 62), 1 << 62, (*shape, 2), dtype=torch.int64, generator=generator)
+    elif dtype.itemsize == 1:
+        base = torch.randint(0, 256, (*shape, 2), dtype=torch.uint8, generator=generator).view(dtype)
+    else:
+        base = torch.randn(*shape, 2, generator=generator).to(dtype)
     order = torch.randperm(base.dim(), generator=generator).tolist()
     source = base.permute(*order)[..., 0]  # strided, as a page in a host pool is
     info = _info("k" * key_length, dtype, source.numel())

@@ -339,8 +339,8 @@ INSPECT_REFUSED: dict[str, str] = {
     "inkling2_loop_text": "its recurrent passes over shared layers keep a cache per pass, more caches than layers; "
                           "no reader",
     "openai-gpt": "its forward keeps no cache",
-    "qwen4_exp_text": "its indexed layers keep indexer position ids and its PLE layers an int64 n-gram token context: "
-                      "no cache kind here describes them",
+    "qwen4_exp_text": "its PLE layers keep a dilated conv state and an int64 n-gram token context beside gated "
+                      "DeltaNet, its indexed layers indexer keys of their own heads and 3D positions; no reader",
     "recurrent_gemma": "it keeps its recurrent state on the modules, not in a cache; no reader",
     "reformer": "it keeps LSH buckets and states in a cache class of its own; no reader",
     "rwkv": "it keeps its state outside transformers' cache classes; no reader",

@@ -6,7 +6,8 @@ import torch
 
 from kvgroups.errors import KVGroupsError
 
-# Only dtypes a KV cache or a recurrent state is stored in; a name outside this table is a typo.
+# Only dtypes a KV cache or a recurrent state is stored in (int64: token ids a model keeps as context, positions
+# an indexer ropes its keys by); a name outside this table is a typo.
 _BY_NAME: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -18,6 +19,7 @@ _BY_NAME: dict[str, torch.dtype] = {
     "float8_e5m2fnuz": torch.float8_e5m2fnuz,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "int64": torch.int64,
 }
 _BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in _BY_NAME.items()}
 # Short names engines accept on their command lines (vLLM's --kv-cache-dtype fp8).

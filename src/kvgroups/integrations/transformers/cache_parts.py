@@ -10,7 +10,8 @@ handle like any engine's:
   size of their own (MiMo-V2-Flash's 192 / 128), held unpadded in the pair;
 - single-head keys and values of different widths in full attention (MLA keeps the compressed
   latent and the rotated rope key): two ``MLA``-layout parts ``[1, seq, width]``; the indexer
-  keys of sparse attention one more;
+  keys of sparse attention one more, and where the indexer ropes them by positions of their own
+  (Qwen4's three rotary axes, ``[3, 1, seq]`` int64) those too, as rows of 3 int64 a token;
 - each conv and recurrent state of a linear-attention layer (mamba, gated DeltaNet, short conv):
   a ``RecurrentState`` part ``[1, *shape]``, kept exactly as transformers holds it (conv states
   keep all ``kernel`` columns: trimming to ``kernel - 1`` is not right for every model);
@@ -139,11 +140,15 @@ def read_parts(cache: Any, model: Any = None) -> list[Part]:
             parts += _attention_parts(index, layer)
         if isinstance(layer, DynamicIndexedLayer) and layer.indexer_keys is not None:
             indexer = layer.indexer_keys
-            if getattr(layer, "indexer_position_ids", None) is not None:
-                raise UnsupportedCacheError(f"cache layer {index} keeps indexer position ids, which kvgroups "
-                                            f"cannot store")
             parts.append(Part(index, PartRole.INDEXER, MLAttention(), KVLayout.MLA, indexer.dtype,
                               (1, indexer.shape[-1])))
+        positions = getattr(layer, "indexer_position_ids", None)
+        if isinstance(layer, DynamicIndexedLayer) and positions is not None:
+            if positions.dim() != 3 or positions.shape[1] != 1:
+                raise UnsupportedCacheError(f"cache layer {index} keeps indexer position ids of shape "
+                                            f"{list(positions.shape)}; expected [axes, 1, seq]")
+            parts.append(Part(index, PartRole.INDEXER_POSITIONS, MLAttention(), KVLayout.MLA, positions.dtype,
+                              (1, positions.shape[0])))
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             parts += _state_parts(index, layer)
     if not parts:
@@ -164,6 +169,9 @@ def current_value(part: Part, cache: Any) -> Any:
         return layer.values[0]
     if part.role is PartRole.INDEXER:
         return layer.indexer_keys
+    if part.role is PartRole.INDEXER_POSITIONS:
+        # [axes, 1, seq] -> [1, seq, axes]: a copy (24 bytes a token), as the forward may leave it an expanded view
+        return layer.indexer_position_ids.permute(1, 2, 0).contiguous()
     return (layer.conv_states if part.role is PartRole.CONV else layer.recurrent_states)[part.state_index]
 
 
@@ -200,6 +208,8 @@ def install(parts: Sequence[Part], values: Mapping[str, Any], cache: Any, bounda
             layer.update(by_role[PartRole.KEYS].unsqueeze(0), by_role[PartRole.VALUES].unsqueeze(0))
         if PartRole.INDEXER in by_role:
             layer.update_indexer(by_role[PartRole.INDEXER])
+        if PartRole.INDEXER_POSITIONS in by_role:
+            layer.indexer_position_ids = by_role[PartRole.INDEXER_POSITIONS].permute(2, 0, 1).contiguous()
         # Conv states first: the first update_conv_state of a fresh layer takes them as a prefill's
         # (and marks the state as present); marking it present before would make it append instead.
         for part in layer_parts:

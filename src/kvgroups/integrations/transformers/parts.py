@@ -22,6 +22,7 @@ class PartRole(enum.Enum):
     KEYS = "keys"  # MLA: the compressed latent (keys of their own width)
     VALUES = "values"  # MLA: the rotated rope key, kept as the layer's values
     INDEXER = "indexer"  # a sparse-attention indexer's keys
+    INDEXER_POSITIONS = "indexer_positions"  # the positions an indexer ropes its keys by (Qwen4's 3D positions)
     CONV = "conv"  # conv state ``state_index`` of a linear-attention layer
     STATE = "state"  # recurrent state ``state_index`` of a linear-attention layer
     SHARED_KV = "shared_kv"  # keys that are the values too (DeepSeek-V4's window): stored once

@@ -44,7 +44,7 @@ SEAL_ENCRYPTED = "aes-256-gcm"
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
     torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.int64: "I64",
 }
 # Metadata fields that seal the others (not part of what they seal).
 _SEAL_FIELDS = ("checksum", "mac")
