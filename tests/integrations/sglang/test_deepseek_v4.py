@@ -248,3 +248,23 @@ def test_pages_stored_under_another_row_layout_are_not_hit(tmp_path: Path) -> No
     finally:
         for server in (first, second, third):
             server.close()
+
+
+def test_pools_kvgroups_does_not_store_yet_and_a_lone_anchor_are_refused_by_name(tmp_path: Path) -> None:
+    """V4.1's pools (another pool name on the same class) are refused naming the pool and the ones stored; a logical
+    anchor with none of DeepSeek-V4's pools beside it is refused once SGLang has registered every pool."""
+    from kvgroups.integrations.sglang.storage import KVGroupsHiCacheStorage
+
+    server = Server(f"file://{tmp_path}/kv")
+    try:
+        c4 = server.pool(PoolName.DEEPSEEK_V4_C4)
+        with pytest.raises(UnsupportedPoolError, match="'deepseek_v4_c1' of type DeepSeekV4PagedHostPool: kvgroups "
+                                                       "stores DeepSeek-V4's pools swa"):
+            server.backend.register_mem_host_pool_v2(c4, PoolName.DEEPSEEK_V4_C1)
+        alone = KVGroupsHiCacheStorage(server.controller.storage_config)  # as SGLang builds one
+        alone.register_mem_pool_host(server.pool(PoolName.KV))
+        with pytest.raises(UnsupportedPoolError, match="a logical anchor pool and none of DeepSeek-V4's pools"):
+            alone.on_host_pools_registered()
+        alone.close()
+    finally:
+        server.close()
