@@ -34,7 +34,7 @@ class CompressedRows(EveryToken):
     def accepts_layout(self, layout: KVLayout) -> bool:
         return layout is KVLayout.MLA
 
-    def bytesper_token(self, slot_bytes: int) -> float:
+    def bytes_per_token(self, slot_bytes: int) -> float:
         return per_token(slot_bytes, self.tokens_per_row)
 
     def slot_range(self, start: int, end: int) -> tuple[int, int]:
@@ -80,7 +80,7 @@ class WindowPages(TokenCache):
     def tokens_needed(self, boundary: int) -> tuple[int, int]:
         return max(0, boundary - self.pages * self.page_tokens), boundary
 
-    def bytesper_token(self, slot_bytes: int) -> float:
+    def bytes_per_token(self, slot_bytes: int) -> float:
         return per_token(slot_bytes, self.page_tokens)
 
     def slot_range(self, start: int, end: int) -> tuple[int, int]:
