@@ -13,7 +13,7 @@ guessed at (:func:`unread_cache_fields`). Adding a family touches only its own r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +154,8 @@ Reader = Callable[[ConfigFields], list[ModelLayer]]
 LayerReader = Callable[[ConfigFields], ModelLayer]
 
 
-def _sliding(config: ConfigFields) -> ModelLayer:
+def sliding_attention(config: ConfigFields) -> ModelLayer:
+    """Attention over the config's ``sliding_window`` (the whole context where it has none)."""
     window = config.sliding_window()
     return config.attention(SlidingWindow(window_tokens=window) if window else FullAttention())
 
@@ -162,7 +163,7 @@ def _sliding(config: ConfigFields) -> ModelLayer:
 # The ``layer_types`` entries every family that uses the list shares.
 _ATTENTION_TYPES: dict[str, LayerReader] = {
     "full_attention": lambda config: config.attention(FullAttention()),
-    "sliding_attention": _sliding,
+    "sliding_attention": sliding_attention,
     "chunked_attention": lambda config: config.attention(
         ChunkedLocal(chunk_tokens=config.integer("attention_chunk_size"))
     ),
@@ -225,24 +226,34 @@ class Family:
 _PER_LAYER_FIELDS = {"head_dim": "head_size", "num_key_value_heads": "num_kv_heads"}
 
 
-def _per_layer(config: ConfigFields, layers: list[ModelLayer]) -> list[ModelLayer]:
-    """``layers`` with the attention overrides of the config's ``per_layer_config`` (keyed by layer index)."""
+def per_layer_entries(config: ConfigFields, count: int,
+                      reads: Collection[str]) -> list[tuple[int, Any, Mapping[str, Any]]]:
+    """The config's ``per_layer_config`` entries as (layer index, key as written, fields); refused: an entry that
+    names no layer below ``count``, or that sets a field changing the cache outside ``reads``."""
     overrides = config.data.get("per_layer_config")
     if not overrides:
-        return layers
+        return []
     if not isinstance(overrides, Mapping):
         raise ModelConfigError(f"per_layer_config must map layer indices to fields, got {overrides!r}")
-    layers = list(layers)
+    entries = []
     for key, fields in overrides.items():
         index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
-        if not 0 <= index < len(layers) or not isinstance(fields, Mapping):
-            raise ModelConfigError(f"per_layer_config entry {key!r}: expected a layer index below {len(layers)} "
+        if not 0 <= index < count or not isinstance(fields, Mapping):
+            raise ModelConfigError(f"per_layer_config entry {key!r}: expected a layer index below {count} "
                                    f"mapped to fields, got {fields!r}")
-        unread = sorted(name for name in fields if name not in _PER_LAYER_FIELDS and changes_the_cache(name))
-        changes = {_PER_LAYER_FIELDS[name]: value for name, value in fields.items() if name in _PER_LAYER_FIELDS}
+        unread = sorted(name for name in fields if name not in reads and changes_the_cache(name))
         if unread:
             raise ModelConfigError(f"per_layer_config[{key!r}] sets {unread}, which change what layer {index} caches "
                                    f"and are not read; refusing to guess")
+        entries.append((index, key, fields))
+    return entries
+
+
+def _per_layer(config: ConfigFields, layers: list[ModelLayer]) -> list[ModelLayer]:
+    """``layers`` with the attention overrides of the config's ``per_layer_config`` (keyed by layer index)."""
+    layers = list(layers)
+    for index, key, fields in per_layer_entries(config, len(layers), _PER_LAYER_FIELDS):
+        changes = {_PER_LAYER_FIELDS[name]: value for name, value in fields.items() if name in _PER_LAYER_FIELDS}
         layer = layers[index]
         if not changes or isinstance(layer, NoCacheLayer):  # a layer sharing another's KV keeps none of its own
             continue

@@ -57,7 +57,7 @@ class Layout:
     each row's ``scale`` bytes after all the values; ``ratio`` tokens per row (1: a row per token)."""
 
     def __init__(self, name: str, pages: torch.Tensor, rows: int, ratios: list[int]) -> None:
-        self.name, self.pages, self.rows = name, pages, rows  # pages: [blocks, page bytes] uint8, vLLM's cache
+        self.pages, self.rows = pages, rows  # pages: [blocks, page bytes] uint8, a view of vLLM's cache
         if name.endswith(".swa_cache"):
             self.data, self.scale, self.ratio = 576, 8, 1
         elif name.endswith(".indexer.k_cache"):

@@ -200,7 +200,6 @@ _DEEPSEEK_V4_POOLS: dict[str, tuple[str, LayerCacheSpec]] = {
 _DEEPSEEK_V4_FORMAT_SETTINGS = ("SGLANG_DSV4_KV_LAYOUT", "SGLANG_DSV4_COMPRESSED_KV_LAYOUT",
                                 "SGLANG_DSV4_UNIFIED_KV_FP8", "SGLANG_DSV4_COMPRESS_STATE_DTYPE",
                                 "SGLANG_HIP_DSV41_INDEX_K_PAGE8")
-_DEEPSEEK_V4_CLASSES = ("LogicalHostPool", "DeepSeekV4PagedHostPool", "DeepSeekV4StateHostPool")
 
 
 def _deepseek_v4_formats() -> dict[str, Any]:

@@ -4,11 +4,8 @@ sliding layers keep latents of their own size in a window."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from kvgroups.errors import ModelConfigError
-from kvgroups.models.config_fields import ConfigFields, changes_the_cache, family
+from kvgroups.models.config_fields import ConfigFields, family, per_layer_entries
 from kvgroups.models.layers import (
     IndexedMLALayer,
     MLALayer,
@@ -113,28 +110,10 @@ def _hy_v4(config: ConfigFields) -> list[ModelLayer]:
 # dots3: indexed-attention layers (a latent and an indexer's keys), full-attention ones (a latent), and sliding
 # ones whose latent (its own kv_lora_rank and qk_rope_head_dim, from per_layer_config) is kept for the window.
 _DOTS3_LAYER_TYPES = ("indexed_attention", "full_attention", "sliding_attention")
-# per_layer_config fields that leave a latent as it is (the query's and the values' sizes, heads).
-_DOTS3_PER_LAYER_QUIET = frozenset({"head_dim", "v_head_dim", "num_key_value_heads", "num_attention_heads",
-                                    "q_lora_rank", "qk_nope_head_dim"})
-
-
-def _dots3_overrides(config: ConfigFields, count: int) -> dict[int, Mapping[str, Any]]:
-    overrides = config.data.get("per_layer_config") or {}
-    if not isinstance(overrides, Mapping):
-        raise ModelConfigError(f"per_layer_config must map layer indices to fields, got {overrides!r}")
-    found: dict[int, Mapping[str, Any]] = {}
-    for key, fields in overrides.items():
-        index = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
-        if not 0 <= index < count or not isinstance(fields, Mapping):
-            raise ModelConfigError(f"per_layer_config entry {key!r}: expected a layer index below {count} mapped to "
-                                   f"fields, got {fields!r}")
-        unread = sorted(name for name in fields if changes_the_cache(name) and name not in _DOTS3_PER_LAYER_QUIET
-                        and name not in ("kv_lora_rank", "qk_rope_head_dim"))
-        if unread:
-            raise ModelConfigError(f"per_layer_config[{key!r}] sets {unread}, which change what layer {index} caches "
-                                   f"and are not read; refusing to guess")
-        found[index] = fields
-    return found
+# per_layer_config fields dots3 reads: the latent's sizes, and those that leave a latent as it is (the query's and
+# the values' sizes, heads).
+_DOTS3_PER_LAYER_READS = frozenset({"kv_lora_rank", "qk_rope_head_dim", "head_dim", "v_head_dim",
+                                    "num_key_value_heads", "num_attention_heads", "q_lora_rank", "qk_nope_head_dim"})
 
 
 @family("dots3_note_text", reads_layer_types=False, reads_per_layer_config=True, reads=_DSA_FIELDS,
@@ -151,7 +130,7 @@ def _dots3(config: ConfigFields) -> list[ModelLayer]:
     if not isinstance(layer_types, list) or len(layer_types) != count or set(layer_types) - set(_DOTS3_LAYER_TYPES):
         raise ModelConfigError(f"layer_types must list one of {', '.join(_DOTS3_LAYER_TYPES)} for each of {count} "
                                f"layers, got {layer_types!r}")
-    overrides = _dots3_overrides(config, count)
+    overrides = {index: fields for index, _, fields in per_layer_entries(config, count, _DOTS3_PER_LAYER_READS)}
     window = config.sliding_window()
     layers: list[ModelLayer] = []
     for index, kind in enumerate(layer_types):

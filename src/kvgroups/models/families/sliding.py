@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvgroups.core.cache_specs import FullAttention, SlidingWindow
+from kvgroups.core.cache_specs import FullAttention
 from kvgroups.core.checks import is_int_at_least
 from kvgroups.errors import ModelConfigError
-from kvgroups.models.config_fields import ConfigFields, family, from_layer_types
+from kvgroups.models.config_fields import ConfigFields, family, from_layer_types, sliding_attention
 from kvgroups.models.layers import ModelLayer, NoCacheLayer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -184,7 +184,6 @@ def _kolibri1_1(config: ConfigFields) -> list[ModelLayer]:
             sources[layer] = indexed[source]
     if len(sources) != count:
         raise ModelConfigError(f"kv_source_layers has {len(sources)} entries for {count} layers")
-    window = config.sliding_window()
     layers: list[ModelLayer] = []
     for index, kind in enumerate(layer_types):
         source = sources[index]
@@ -192,7 +191,7 @@ def _kolibri1_1(config: ConfigFields) -> list[ModelLayer]:
             if source != index:
                 raise ModelConfigError(f"layer {index}: a sliding layer reads its own K/V, kv_source_layers names "
                                        f"layer {source}")
-            layers.append(config.attention(SlidingWindow(window_tokens=window) if window else FullAttention()))
+            layers.append(sliding_attention(config))
         elif source == index:
             layers.append(config.attention(FullAttention()))
         elif 0 <= source < index and layer_types[source] == _INDEXED and sources[source] == source:
