@@ -51,29 +51,34 @@ def test_warm_up_compiles_by_copying_and_changes_no_byte(kernel: str) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton missing")
-def test_triton_launches_more_tokens_than_a_grid_holds_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvgroups.datapath import triton_copy  # triton loads on use
+def test_triton_launches_more_runs_than_a_grid_holds_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgroups.datapath import run_queue, triton_copy  # triton loads on use
 
-    monkeypatch.setattr(triton_copy, "MAX_GRID_TOKENS", 7)  # CUDA's is 65,535: the same split, in fewer tokens
-    launched: list[tuple[int, int]] = []
-    kernel = triton_copy._copy_rows
+    monkeypatch.setattr(triton_copy, "MAX_GRID_RUNS", 7)  # CUDA's is 65,535: the same split, in fewer runs
+    launched: list[tuple[str, tuple[int, int, int]]] = []
 
-    class Recorded:
-        def __getitem__(self, grid: tuple[int, int]) -> object:
-            launched.append(grid)
-            return kernel[grid]
+    def recorded(kernel: object, grid: tuple[int, int, int], arguments: tuple[object, ...],
+                 constants: dict[str, object]) -> None:
+        launched.append((kernel.__name__, grid))  # type: ignore[attr-defined]
+        run_queue.launch(kernel, grid, arguments, constants)
 
-    monkeypatch.setattr(triton_copy, "_copy_rows", Recorded())
+    def recording(transfer: KVTransfer) -> KVTransfer:
+        for copier in transfer._copiers:
+            copier.launch = recorded  # type: ignore[union-attr]
+        return transfer
+
     values, manager = caches(torch.Generator().manual_seed(1))
     slots = torch.randperm(96, generator=torch.Generator().manual_seed(2))[:40]
     reference = KVTransfer(manager, values, kernel="torch").pack(slots, state_indices=[2, 0])
-    split = KVTransfer(manager, values, kernel="triton").pack(slots, state_indices=[2, 0])
+    split = recording(KVTransfer(manager, values, kernel="triton")).pack(slots, state_indices=[2, 0])
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(split, reference, strict=True))
-    # Two tables (keys, values) of two layers, 40 tokens each in launches of at most 7.
-    assert launched == [(2, 7)] * 5 * 2 + [(2, 5)] * 2 or sorted(launched) == sorted([(2, 7)] * 10 + [(2, 5)] * 2)
+    # Keys and values (two tables) of two layers in one launch, 40 token runs in pieces of at most 7; the
+    # state group's two layers' states (two tensors of one layer) in one.
+    tokens = [("_copy_token_runs", (4, 7, 1))] * 5 + [("_copy_token_runs", (4, 5, 1))]
+    assert launched == [*tokens, ("_copy_state_runs", (2, 2, 1))]
     targets, _ = caches(torch.Generator().manual_seed(3))
     expected, _ = caches(torch.Generator().manual_seed(3))
-    KVTransfer(manager, targets, kernel="triton").unpack(split, slots, state_indices=[2, 0])
+    recording(KVTransfer(manager, targets, kernel="triton")).unpack(split, slots, state_indices=[2, 0])
     KVTransfer(manager, expected, kernel="torch").unpack(reference, slots, state_indices=[2, 0])
     assert all(torch.equal(a, b) for a, b in zip(snapshot(targets), snapshot(expected), strict=True))
 
@@ -91,10 +96,17 @@ def test_a_read_buffer_is_refilled_only_once_the_copy_out_of_it_completed() -> N
     buffers = ReadBuffers(64, pin=False)
     first, array = buffers.take()
     assert array.dtype == np.uint8 and array.shape == (64,) and array.flags.writeable
-    copying = Pending()
-    buffers.copied(first, copying)
+    buffers.queued(first)
+    assert not buffers.all_queued()
     second, _ = buffers.take()  # the other buffer: free at once
     assert second != first
+    buffers.queued(second)
+    assert buffers.all_queued()
+    with pytest.raises(RuntimeError, match="launch them first"):
+        buffers.take()  # the first buffer's entry is not copied yet
+    copying = Pending()
+    buffers.launched(copying)
+    assert not buffers.all_queued()
     taken: list[int] = []
     waiter = threading.Thread(target=lambda: taken.append(buffers.take()[0]))
     waiter.start()

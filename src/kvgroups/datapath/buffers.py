@@ -115,25 +115,44 @@ def _bytes(buffer: torch.Tensor) -> int:
 
 
 class ReadBuffers:
-    """Host buffers a reader reuses in turn: pinned where the copies out of them go to a GPU (so the copies
-    run asynchronously), and each refilled only once the copy out of it has completed.
+    """Host buffers a reader fills in turn: pinned where the copies out of them go to a GPU (so that the
+    copies run asynchronously), and each refilled only once the copy out of it has completed.
 
-    Two of them let the next entry be read while the last one is still being copied to the device.
+    An entry read into a buffer is *queued* until the launch that copies it (:meth:`launched`): a reader
+    fills buffers until :meth:`all_queued`, then launches the copies of all of them at once. With two
+    buffers the next entry is read while the last one is still being copied to the device.
     """
 
     def __init__(self, size: int, *, pin: bool, count: int = 2) -> None:
         self._tensors = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
         self._arrays = [tensor.numpy() for tensor in self._tensors]
         self._copies: list[Completion] = [DONE] * count
+        self._queued: list[int] = []  # buffers holding entries whose copies are not launched yet
         self._next = 0
+
+    @property
+    def count(self) -> int:
+        return len(self._arrays)
 
     def take(self) -> tuple[int, np.ndarray]:
         """The next buffer (its index, and its bytes as an array), once the last copy out of it is done."""
         index = self._next
+        if index in self._queued:
+            raise RuntimeError("every read buffer holds an entry whose copy is not launched; launch them first")
         self._next = (index + 1) % len(self._arrays)
         self._copies[index].synchronize()
         return index, self._arrays[index]
 
-    def copied(self, index: int, copies: Completion) -> None:
-        """Buffer ``index`` is being copied from until ``copies`` completes."""
-        self._copies[index] = copies
+    def queued(self, index: int) -> None:
+        """Buffer ``index`` holds an entry whose copy is queued for the next launch."""
+        self._queued.append(index)
+
+    def all_queued(self) -> bool:
+        """Whether the next buffer still holds an entry whose copy is not launched."""
+        return self._next in self._queued
+
+    def launched(self, copies: Completion) -> None:
+        """The queued buffers are being copied from until ``copies`` completes."""
+        for index in self._queued:
+            self._copies[index] = copies
+        self._queued.clear()

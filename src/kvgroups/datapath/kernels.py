@@ -24,6 +24,7 @@ import torch
 from kvgroups.core.group_keys import Tensors
 from kvgroups.core.layouts import KVLayout
 from kvgroups.datapath.address_tables import amx_table, state_table, token_tables
+from kvgroups.datapath.run_queue import RunCopier
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.torch_copy import StateCopier, TokenCopier
 from kvgroups.errors import KVGroupsError
@@ -32,10 +33,14 @@ KERNELS = ("numba", "triton", "torch")
 ENVIRONMENT_VARIABLE = "KVGROUPS_KERNEL"
 
 
-class Copier(Protocol):
-    """Moves one group's data between its caches and a chunk for one checked call."""
+class SlowCopier(Protocol):
+    """Moves one group's data between its caches and a chunk for one checked call, when called."""
 
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None: ...
+
+
+# A group's copier: one that copies when called (numba, torch), or one that queues runs for one launch (Triton).
+Copier = SlowCopier | RunCopier
 
 
 def _importable(module: str) -> bool:

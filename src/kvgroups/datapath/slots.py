@@ -5,7 +5,7 @@ Every kernel reads a call through :class:`CallSlots`; nothing here copies cache 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,31 +52,59 @@ def plan_tokens(slots: torch.Tensor, cpu_slots: torch.Tensor, block_size: int) -
     )
 
 
-@dataclass(frozen=True)
 class CallSlots:
-    """A call's checked slots: ``slots`` on the caches' device (``cpu_slots`` the same on the CPU)."""
+    """A call's checked slots, as NumPy int64 arrays (``slot_values``: token slots, ``state_values``: state
+    slots, None where no group needs them); as tensors on the caches' device only when a kernel asks."""
 
-    slots: torch.Tensor | None  # [num_tokens] int64, None when no group is token-indexed
-    cpu_slots: torch.Tensor | None
-    state_indices: torch.Tensor | None  # [num_states] int64, None when no group is recurrent
-    _plans: dict[int, TokenPlan] = field(default_factory=dict, compare=False)
+    def __init__(self, device: torch.device, slot_values: np.ndarray | None, state_values: np.ndarray | None,
+                 device_slots: torch.Tensor | None = None) -> None:
+        self.device = device
+        self.slot_values = slot_values
+        self.state_values = state_values
+        self._slots = device_slots  # the caller's own tensor, when it is on the caches' device already
+        self._state_indices: torch.Tensor | None = None
+        self._plans: dict[int, TokenPlan] = {}
 
     @property
     def num_tokens(self) -> int:
-        return 0 if self.cpu_slots is None else int(self.cpu_slots.shape[0])
+        return 0 if self.slot_values is None else int(self.slot_values.shape[0])
 
     @property
     def num_states(self) -> int:
-        return 0 if self.state_indices is None else int(self.state_indices.shape[0])
+        return 0 if self.state_values is None else int(self.state_values.shape[0])
+
+    @property
+    def cpu_slots(self) -> torch.Tensor | None:
+        return None if self.slot_values is None else torch.from_numpy(self.slot_values)
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """The token slots on the caches' device (uploaded once, from pinned memory on a GPU)."""
+        if self._slots is None and self.slot_values is not None:
+            self._slots = _on_device(torch.from_numpy(self.slot_values), self.device)
+        return self._slots
+
+    @property
+    def state_indices(self) -> torch.Tensor | None:
+        if self._state_indices is None and self.state_values is not None:
+            self._state_indices = _on_device(torch.from_numpy(self.state_values), self.device)
+        return self._state_indices
 
     def plan(self, block_size: int) -> TokenPlan | None:
         """The tokens' plan for caches of ``block_size`` (built once per block size), None without slots."""
-        if self.slots is None or self.cpu_slots is None:
+        slots, cpu_slots = self.slots, self.cpu_slots
+        if slots is None or cpu_slots is None:
             return None
         plan = self._plans.get(block_size)
         if plan is None:
-            plan = self._plans[block_size] = plan_tokens(self.slots, self.cpu_slots, block_size)
+            plan = self._plans[block_size] = plan_tokens(slots, cpu_slots, block_size)
         return plan
+
+
+def _on_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # from pinned memory the upload is queued on the stream, not waited for
+        return values.pin_memory().to(device, non_blocking=True)
+    return values if values.device == device else values.to(device)
 
 
 def paged_slots(positions: np.ndarray, block_ids: np.ndarray, block_size: int) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""Chunks on another device than the caches: the copies across, issued once, and one synchronize.
+"""Chunks a kernel cannot address where they are: the copies across devices, issued ``non_blocking``.
 
-GPU caches are typically packed into pinned CPU chunks and unpacked from them. A copy between a
-CUDA device and pinned host memory may run asynchronously; :class:`Staging` issues every such
-copy ``non_blocking`` and synchronizes once at the end, so the chunks are safe to read (after
-``pack``) or to refill (after ``unpack``) when the call returns.
+The Triton kernels read and write chunks in pinned host memory themselves; a chunk anywhere else
+(pageable host memory, another device), or any chunk of a kernel that addresses only the caches'
+device (the torch path on a GPU), goes through a buffer on the caches' device. A copy between a CUDA
+device and pinned host memory may run asynchronously: :class:`Staging` says whether one did, and the
+call then synchronizes once (:meth:`~kvgroups.datapath.transfer.Launched.release`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class Staging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.asynchronous = False
+        self.uploads = 0  # chunks copied to the caches' device
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """``target.copy_(source)``, asynchronous when one side is pinned host memory and the other CUDA."""
@@ -30,13 +32,5 @@ class Staging:
             return chunk
         staged = torch.empty_like(chunk, device=self.device)
         self.copy(staged, chunk)
+        self.uploads += 1
         return staged
-
-    def buffer_for(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Where to gather into for ``chunk``: itself on the caches' device, else a buffer there."""
-        return chunk if chunk.device == self.device else torch.empty_like(chunk, device=self.device)
-
-    def finish(self) -> None:
-        """Wait for the asynchronous copies, so the chunks may be read or refilled."""
-        if self.asynchronous:
-            torch.cuda.current_stream(self.device).synchronize()

@@ -15,6 +15,7 @@ Everything a call is given (slots, state indices, chunks) is checked before the 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,13 +28,17 @@ from kvgroups.core.groups import KVLayerGroupInfo
 from kvgroups.core.manager import KVLayerGroupsManager
 from kvgroups.datapath.bindings import bound_transfer
 from kvgroups.datapath.buffers import ChunkPool
+from kvgroups.datapath.call_checks import CallChecks
+from kvgroups.datapath.descriptors import Launched, RingLease
 from kvgroups.datapath.kernels import Copier, choose_kernel, state_copier, token_copier
+from kvgroups.datapath.run_queue import RunCopier
 from kvgroups.datapath.slots import CallSlots
 from kvgroups.datapath.staging import Staging
-from kvgroups.errors import ChunkMismatchError, KVGroupsError, SlotMappingError
+from kvgroups.errors import ChunkMismatchError, KVGroupsError
 
 Groups = KVLayerGroupsManager | Sequence[KVLayerGroupInfo]
-StateIndices = torch.Tensor | Sequence[int] | int | None
+StateIndices = torch.Tensor | np.ndarray | Sequence[int] | int | None
+SlotMapping = torch.Tensor | np.ndarray | None
 
 
 def _group_list(groups: Groups) -> list[KVLayerGroupInfo]:
@@ -118,16 +123,18 @@ class KVTransfer:
         # Per group, how its kernel moves scattered rows where it measured that (the numba kernel), else "".
         self.lockstep: list[str] = [getattr(copier, "lockstep", "") for copier in self._copiers]
         self._pool = ChunkPool(self.device)
-        token_groups = [group for group in self.groups if group.token_indexed]
-        self._token_groups = token_groups
-        self._recurrent = [index for index, group in enumerate(self.groups) if not group.token_indexed]
-        # Slots of every token group must fall below the smallest one's capacity.
-        self._slot_limit = min((group.geometry.num_slots for group in token_groups), default=0)
-        self._state_limit = min((self.groups[index].num_blocks for index in self._recurrent), default=0)
+        self._checks = CallChecks(self.groups, self.device)
+        self._slot_limit = min((group.geometry.num_slots for group in self.groups if group.token_indexed), default=0)
+        # Per group, its copier where it queues runs for one launch (the Triton kernels), else None.
+        self._run_copiers: list[RunCopier | None] = [
+            copier if isinstance(copier, RunCopier) else None for copier in self._copiers]
+        # What a call changes, per thread (loads run on several): copies queued until launch, reused arrays.
+        self._local = threading.local()
+        self._shape_cache: dict[tuple[int, int], list[torch.Size]] = {}
 
     def pack(
         self,
-        slot_mapping: torch.Tensor | None = None,
+        slot_mapping: SlotMapping = None,
         *,
         start: int = 0,
         end: int | None = None,
@@ -135,46 +142,75 @@ class KVTransfer:
         out: Sequence[torch.Tensor] | None = None,
         staging: Sequence[torch.Tensor] | None = None,
         synchronize: bool = True,
+        defer: bool = False,
     ) -> list[torch.Tensor]:
         """Gather tokens ``slot_mapping[start:end]`` of every group into one chunk tensor per group.
 
         Token groups give ``[kv_size, num_layers, num_tokens, hidden_dim_size]`` in the group's dtype
         (``metadata.get_shapes(num_tokens)``); recurrent groups give the states of
-        ``state_indices``, ``[1, num_layers, len(state_indices), state_elements]``. ``out``, one
-        contiguous tensor per group on any device (pinned CPU memory for GPU caches), is filled
-        instead of allocating on the caches' device; ``staging``, one uint8 buffer per group on the
-        caches' device of at least its chunk's bytes, is where the chunks of ``out`` on another
-        device are gathered first (else a temporary buffer is). With ``synchronize=False`` copies
-        to another device may still run on the current stream when this returns: the caller records
-        an event there and waits for it before reading ``out``. Everything is checked before any
-        copy; the caches are only read.
+        ``state_indices``, ``[1, num_layers, len(state_indices), state_elements]``. ``slot_mapping`` is
+        an int64 tensor or NumPy array (slots already on the caches' device are used there, read back
+        only to be checked). ``out``, one contiguous tensor per group on any device (pinned CPU memory
+        for GPU caches, which the Triton kernels write directly), is filled instead of allocating on the
+        caches' device; ``staging``, one uint8 buffer per group on the caches' device of at least its
+        chunk's bytes, is where chunks of ``out`` that a kernel cannot address are gathered first (else
+        a temporary buffer is). With ``synchronize=False`` copies to another device may still run on the
+        current stream when this returns: the caller records an event there and waits for it before
+        reading ``out``. ``defer=True`` (with ``out``) checks and queues the copies; :meth:`launch` then
+        issues every queued pack in one launch per group. Everything is checked before any copy; the
+        caches are only read.
         """
-        call = self._check_call(slot_mapping, start, end, state_indices, distinct=False)
-        shapes = [group.slots_shape(call.num_tokens, call.num_states) for group in self.groups]
+        call = self._checks.call(slot_mapping, start, end, state_indices, distinct=False)
+        shapes = self._shapes(call.num_tokens, call.num_states)
         if out is None:
+            if defer:
+                raise KVGroupsError("a deferred pack fills the chunks it is given: pass out=")
             results = [self._pool.empty(shape, group.dtype) for group, shape in zip(self.groups, shapes, strict=True)]
-            self._move(call, results, scatter=False)
+            self._queue(call, results, scatter=False)
+            self.launch(scatter=False).release(synchronize=False)
             return results
         outputs = list(out)
         if len(outputs) != len(self.groups):
             raise ChunkMismatchError(f"out has {len(outputs)} tensors for {len(self.groups)} groups")
         for index, (chunk, shape) in enumerate(zip(outputs, shapes, strict=True)):
-            self._check_chunk(index, chunk, shape, "out")
-        copies = Staging(self.device)
-        buffers = [copies.buffer_for(chunk) if staging is None else self._staged(index, chunk, staging)
+            self._checks.chunk(index, chunk, shape, "out")
+        buffers = [chunk if self._direct(index, chunk) else self._gather_buffer(index, chunk, staging)
                    for index, chunk in enumerate(outputs)]
-        self._move(call, buffers, scatter=False)
-        for chunk, buffer in zip(outputs, buffers, strict=True):
-            if buffer is not chunk:
+        self._queue(call, buffers, scatter=False)
+        staged = [(chunk, buffer) for chunk, buffer in zip(outputs, buffers, strict=True) if buffer is not chunk]
+        if defer and not staged:  # else gathered now (a deferred buffer could be overwritten by the next call)
+            return outputs
+        launched = self.launch(scatter=False)
+        if staged:
+            copies = Staging(self.device)
+            for chunk, buffer in staged:
                 copies.copy(chunk, buffer)
-        if synchronize:
-            copies.finish()
+            launched.asynchronous = copies.asynchronous
+        launched.release(synchronize and not defer)
         return outputs
 
-    def _staged(self, index: int, chunk: torch.Tensor, staging: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Where group ``index``'s chunk is gathered before it is copied to ``chunk``'s device: its staging buffer."""
+    def _shapes(self, num_tokens: int, num_states: int) -> list[torch.Size]:
+        """Every group's chunk shape for a call of ``num_tokens`` slots and ``num_states`` states (kept by size)."""
+        shapes = self._shape_cache.get((num_tokens, num_states))
+        if shapes is None:
+            if len(self._shape_cache) > 64:  # calls of many sizes (partial chunks): start again
+                self._shape_cache.clear()
+            shapes = self._shape_cache[num_tokens, num_states] = [
+                group.slots_shape(num_tokens, num_states) for group in self.groups]
+        return shapes
+
+    def _direct(self, index: int, chunk: torch.Tensor) -> bool:
+        """Whether group ``index``'s kernel reads or writes ``chunk`` where it is: on the caches' device, or (the
+        Triton kernels, by address) in pinned host memory."""
         if chunk.device == self.device:
-            return chunk
+            return True
+        return self._run_copiers[index] is not None and self.device.type == "cuda" and chunk.is_pinned()
+
+    def _gather_buffer(self, index: int, chunk: torch.Tensor, staging: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """Where group ``index``'s chunk is gathered before it is copied to ``chunk``'s device: its staging buffer,
+        else a temporary one."""
+        if staging is None:
+            return torch.empty_like(chunk, device=self.device)
         if len(staging) != len(self.groups):
             raise ChunkMismatchError(f"staging has {len(staging)} buffers for {len(self.groups)} groups")
         buffer = staging[index]
@@ -188,34 +224,67 @@ class KVTransfer:
     def unpack(
         self,
         chunks: Sequence[torch.Tensor],
-        slot_mapping: torch.Tensor | None = None,
+        slot_mapping: SlotMapping = None,
         *,
         start: int = 0,
         end: int | None = None,
+        rows: np.ndarray | None = None,
         state_indices: StateIndices = None,
         synchronize: bool = True,
+        defer: bool = False,
     ) -> None:
         """Write chunk tensors (as :meth:`pack` returns them) into the caches at ``slot_mapping[start:end]``.
 
-        Slots outside a group's cache, a slot named twice, and a chunk whose shape or dtype does
-        not match its group raise before anything is written. Writes go through the caches' own
-        storage, also for permuted (HND) views. With ``synchronize=False`` the copies may still
-        run on the current stream when this returns (GPU caches): the caller records an event
-        there, and reports the caches written (or refills pinned chunks) only once it completed.
+        ``rows``, for token groups: the chunk row each slot takes (a NumPy int64 array as long as the
+        slots, no row twice; a chunk may then hold any number of rows beyond the largest), else rows
+        0, 1, ... Slots outside
+        a group's cache, a slot named twice, and a chunk whose shape or dtype does not match its group
+        raise before anything is written. Writes go through the caches' own storage, also for permuted
+        (HND) views. With ``synchronize=False`` the copies may still run on the current stream when this
+        returns (GPU caches): the caller records an event there, and reports the caches written (or
+        refills pinned chunks) only once it completed. ``defer=True`` queues the copies for :meth:`launch`.
         """
-        call = self._check_call(slot_mapping, start, end, state_indices, distinct=True)
+        call = self._checks.call(slot_mapping, start, end, state_indices, distinct=True)
         chunk_list = list(chunks) if isinstance(chunks, Sequence) else None
         if chunk_list is None or len(chunk_list) != len(self.groups):
             count = len(chunk_list) if chunk_list is not None else type(chunks).__name__
             raise ChunkMismatchError(f"got {count} chunks for {len(self.groups)} groups; pass one per group")
+        needed = None if rows is None else self._checks.rows(rows, call.num_tokens)
         for index, (group, chunk) in enumerate(zip(self.groups, chunk_list, strict=True)):
-            self._check_chunk(index, chunk, group.slots_shape(call.num_tokens, call.num_states), "chunk")
+            chunk_rows = call.num_tokens
+            if needed is not None and group.token_indexed and isinstance(chunk, torch.Tensor) and chunk.dim() == 4:
+                chunk_rows = chunk.shape[2]  # any number of rows that holds every row named
+                if chunk_rows < needed:
+                    raise ChunkMismatchError(f"chunk for group {index} has {chunk_rows} rows; "
+                                             f"rows names row {needed - 1}")
+            self._checks.chunk(index, chunk, group.slots_shape(chunk_rows, call.num_states), "chunk")
         copies = Staging(self.device)
-        staged = [copies.on_device(chunk) for chunk in chunk_list]
-        self._move(call, staged, scatter=True)
-        if synchronize:  # the caller may refill its pinned chunks once we return: the uploads must be done
-            copies.finish()
+        staged = [chunk if self._direct(index, chunk) else copies.on_device(chunk)
+                  for index, chunk in enumerate(chunk_list)]
+        self._queue(call, staged, scatter=True, rows=rows)
+        if defer and copies.uploads == 0:
+            return
+        # At once when a chunk was uploaded first: the upload is freed when this returns.
+        launched = self.launch(scatter=True)
+        launched.asynchronous |= copies.asynchronous
+        # The caller may refill its pinned chunks once we return: with synchronize, the copies are done.
+        launched.release(synchronize and not defer)
 
+    def launch(self, *, scatter: bool) -> Launched:
+        """Issue every queued copy of one direction: one launch per group for the Triton kernels. The caller
+        releases what it returns once the copies completed (:meth:`Launched.release_after`)."""
+        leases: list[RingLease] = []
+        for run_copier in self._run_copiers:
+            if run_copier is not None:
+                lease = run_copier.launch_queued(scatter)
+                if lease is not None:
+                    leases.append(lease)
+        pending = self._pending(scatter)
+        if pending:
+            for index, chunk, call, rows in pending:
+                self._copy_slowly(index, chunk, call, rows, scatter)
+            pending.clear()
+        return Launched(self.device, leases, asynchronous=False)
     def __repr__(self) -> str:
         groups = "; ".join(
             f"{group.kind.value} x{len(group.layer_names)}: {kernel}" + (f", {how}" if how else "")
@@ -227,102 +296,42 @@ class KVTransfer:
         save or load compiles nothing: the first slots (and state slot) of every group are copied out
         and written back, their bytes unchanged. Run it before the caches hold anything of value."""
         slots = None
-        if self._token_groups:
+        if self._slot_limit:
             slots = torch.arange(min(16, self._slot_limit), dtype=torch.int64)
-        states = [0] if self._recurrent else None
+        states = [0] if any(not group.token_indexed for group in self.groups) else None
         chunks = self.pack(slots, state_indices=states)
         self.unpack(chunks, slots, state_indices=states)
 
-    # --- checks --------------------------------------------------------------------------
-    def _check_call(self, slot_mapping: Any, start: int, end: int | None, state_indices: Any, *,
-                    distinct: bool) -> CallSlots:
-        slots = cpu_slots = None
-        if self._token_groups:
-            if slot_mapping is None:
-                raise KVGroupsError("these groups hold token-indexed caches; pass a slot_mapping")
-            slots, cpu_slots = self._check_slots(slot_mapping, start, end, distinct)
-        indices = self._check_state_indices(state_indices, distinct)
-        return CallSlots(slots=slots, cpu_slots=cpu_slots, state_indices=indices)
-
-    def _check_slots(self, slot_mapping: Any, start: int, end: int | None,
-                     distinct: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(slot_mapping, torch.Tensor):
-            raise TypeError(f"slot_mapping must be an int64 tensor, got {type(slot_mapping).__name__}")
-        if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
-            raise TypeError(f"slot_mapping must be a 1-D int64 tensor, got {slot_mapping.dtype} of shape "
-                            f"{list(slot_mapping.shape)}")
-        length = slot_mapping.shape[0]
-        end = length if end is None else end
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= length):
-            raise SlotMappingError(f"token range start={start}, end={end} must satisfy 0 <= start <= end <= {length}")
-        # The common call (all of a CPU tensor, for CPU caches) runs no torch op: after a copy of tens of MiB
-        # has evicted the CPU's caches, each costs microseconds.
-        slots = slot_mapping if start == 0 and end == length else slot_mapping[start:end]
-        cpu_slots = slots if slots.is_cpu else slots.cpu()
-        # NumPy answers these questions on a few hundred slots in microseconds, torch in tens of them.
-        values = cpu_slots.numpy()
-        if values.size:
-            # One reduction for both bounds: read as unsigned, a negative slot is beyond every limit.
-            if int(values.view(np.uint64).max()) >= self._slot_limit:
-                self._raise_out_of_range(cpu_slots)
-            if distinct:
-                ordered = np.sort(values)
-                repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-                if repeated.size:
-                    raise SlotMappingError(f"slot_mapping maps several tokens to slots "
-                                           f"{np.unique(repeated)[:8].tolist()}; two tokens cannot own one slot")
-        if self.device.type == "cuda" and slots.device.type == "cpu":
-            # From pinned memory the upload is queued on the stream, not waited for.
-            return cpu_slots.pin_memory().to(self.device, non_blocking=True), cpu_slots
-        return slots if slots.device == self.device else slots.to(self.device), cpu_slots
-
-    def _raise_out_of_range(self, cpu_slots: torch.Tensor) -> None:
-        for index, group in enumerate(self.groups):
-            if not group.token_indexed:
-                continue
-            capacity = group.geometry.num_slots
-            bad = ((cpu_slots < 0) | (cpu_slots >= capacity)).nonzero().flatten()
-            if bad.numel():
-                shown = ", ".join(f"token {int(i)}: slot {int(cpu_slots[i])}" for i in bad[:5])
-                raise SlotMappingError(
-                    f"{bad.numel()} slot(s) outside group {index}'s [0, {capacity}) "
-                    f"({group.num_blocks} blocks x {group.block_size}): {shown}"
-                )
-
-    def _check_state_indices(self, state_indices: Any, distinct: bool) -> torch.Tensor | None:
-        if not self._recurrent:
-            return None
-        if state_indices is None:
-            raise KVGroupsError(
-                f"groups {self._recurrent} hold recurrent state, which is not token-indexed; pass state_indices "
-                f"(one state slot per sequence)"
-            )
-        indices = torch.as_tensor(state_indices, dtype=torch.int64).flatten().cpu()
-        for index in self._recurrent:
-            slots = self.groups[index].num_blocks
-            bad = indices[(indices < 0) | (indices >= slots)]
-            if bad.numel():
-                raise SlotMappingError(f"state_indices {bad.tolist()} outside group {index}'s [0, {slots}) state slots")
-        if distinct and torch.unique(indices).numel() != indices.numel():
-            raise SlotMappingError(f"state_indices {indices.tolist()} repeat a slot; two sequences cannot own one")
-        return indices.to(self.device)
-
-    def _check_chunk(self, index: int, chunk: Any, shape: torch.Size, what: str) -> None:
-        group = self.groups[index]
-        if not isinstance(chunk, torch.Tensor):
-            raise TypeError(f"{what} for group {index} must be a tensor, got {type(chunk).__name__}")
-        if chunk.shape != shape or chunk.dtype != group.dtype:
-            raise ChunkMismatchError(
-                f"{what} for group {index} is {list(chunk.shape)} {chunk.dtype}; group {index} "
-                f"({group.kind.value}, layers {group.layer_names[:2]}...) needs {list(shape)} {group.dtype}"
-            )
-        if not chunk.is_contiguous():
-            raise ChunkMismatchError(f"{what} for group {index} must be contiguous")
+    def _pending(self, scatter: bool) -> list[tuple[int, torch.Tensor, CallSlots, np.ndarray | None]]:
+        """This thread's copies of one direction by kernels without run queues, until :meth:`launch`."""
+        pending: dict[bool, list[Any]] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = {False: [], True: []}
+        return pending[scatter]
 
     # --- copies --------------------------------------------------------------------------
-    def _move(self, call: CallSlots, chunks: list[torch.Tensor], scatter: bool) -> None:
-        for copier, chunk in zip(self._copiers, chunks, strict=True):
-            copier.copy(chunk, call, scatter)
+    def _queue(self, call: CallSlots, chunks: list[torch.Tensor], scatter: bool,
+               rows: np.ndarray | None = None) -> None:
+        """Queue one call's copies: a run copier's into its run queue, by address; any other's until :meth:`launch`."""
+        for index, (run_copier, chunk) in enumerate(zip(self._run_copiers, chunks, strict=True)):
+            if run_copier is None:
+                self._pending(scatter).append((index, chunk, call, rows))
+                continue
+            group = self.groups[index]
+            if group.token_indexed:
+                if call.slot_values is not None:
+                    run_copier.queue(scatter).add(chunk, chunk.shape[2], call.slot_values, rows)
+            elif call.state_values is not None:
+                run_copier.queue(scatter).add(chunk, call.num_states, call.state_values)
+
+    def _copy_slowly(self, index: int, chunk: torch.Tensor, call: CallSlots, rows: np.ndarray | None,
+                     scatter: bool) -> None:
+        """A copy by a kernel without run queues (numba, torch): ``rows`` taken out of the chunk first."""
+        if rows is not None and self.groups[index].token_indexed:
+            chunk = chunk.index_select(2, torch.from_numpy(rows).to(chunk.device))
+        copier = self._copiers[index]
+        assert not isinstance(copier, RunCopier)
+        copier.copy(chunk, call, scatter)
 
 
 def pack(groups: Groups, kv_caches: Mapping[str, Any], slot_mapping: torch.Tensor | None = None, *, start: int = 0,

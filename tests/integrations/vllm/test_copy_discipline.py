@@ -5,18 +5,22 @@ on the save stream after the engine's work, and nothing on the path of ``wait_fo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from kvgroups.datapath.staging import Staging
+from kvgroups.datapath.descriptors import Launched
 from kvgroups.datapath.streams import DONE, CopyStream
 from kvgroups.integrations.vllm import KVGroupsConnector
 from kvgroups.integrations.vllm.loads import BackgroundLoads
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
 from tests.integrations.vllm.harness import (
     ENGINE_LAYOUT,
     FakeWorker,
@@ -116,8 +120,9 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
 def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
         gemma3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         launches: list[tuple[str, str, str]]) -> None:
-    def no_synchronize(self: Staging) -> None:
-        raise AssertionError("a copy synchronized on the way of wait_for_save or a load")
+    def no_synchronize(self: Launched, synchronize: bool) -> None:
+        raise AssertionError("a copy synchronized or recorded an event of its own on the way of wait_for_save or "
+                             "a load")
 
     extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
     kv = cache_config(["sliding", "full"])
@@ -127,27 +132,28 @@ def test_loads_and_saves_launch_on_their_own_streams_and_never_synchronize(
     for worker in (first, second):
         worker.side.load_stream._name, worker.side.save_stream._name = "load", "save"  # type: ignore[attr-defined]
     # Registered (its warm-up may wait): from here on, what pack(out=) and unpack called to wait must not run.
-    monkeypatch.setattr(Staging, "finish", no_synchronize)
+    monkeypatch.setattr(Launched, "release", no_synchronize)
     launches.clear()
     harness = SchedulerHarness(config, kv)
     harness.add("fill", prompt(100))
     harness.run(first)
     engine = threading.current_thread().name
     saves = [launch for launch in launches if launch[0] == "save"]
-    # Each chunk: on the save stream, ordered after the engine's work, then an event for the writer; after a
-    # step's saves the engine's stream waits for them (the next forward may rewrite blocks they read).
-    assert saves and saves[:2] == [("save", engine, "launch after the engine's work"), ("save", engine, "record")]
-    assert saves[-2:] == [("save", engine, "record"), ("save", engine, "the engine waits")]
+    # Each step's chunks: on the save stream, ordered after the engine's work, then one event for the writer;
+    # after them the engine's stream waits for them (the next forward may rewrite blocks they read).
+    per_step = [("save", engine, "launch after the engine's work"), ("save", engine, "record"),
+                ("save", engine, "the engine waits")]
+    assert saves and saves == per_step * (len(saves) // 3)
     launches.clear()
     fresh = SchedulerHarness(config, kv)
     fresh.add("reuse", prompt(100))
     _, computed, load = fresh.admit(second, "reuse")
     assert computed == 96 and load.asynchronous
     loads = [launch for launch in launches if launch[0] == "load"]
-    # The load ran in a load thread, inside the load stream (where the caches' device is made current): an
-    # event after each of its 4 entries (sliding: 1 chunk, full: 3), whose buffer is refilled after it, and
-    # one after them all, which says when the load is done.
-    assert loads == [("load", loads[0][1], "launch")] + [("load", loads[0][1], "record")] * 5
+    # The load ran in a load thread, inside the load stream (where the caches' device is made current): its 4
+    # entries (sliding: 1 chunk, full: 3) read into buffers, then copied together, and one event after them,
+    # which says when the load is done and its buffers may be refilled.
+    assert loads == [("load", loads[0][1], "launch"), ("load", loads[0][1], "record")]
     assert loads[0][1].startswith("kvgroups-load")
 
 
@@ -174,3 +180,83 @@ def test_sleep_drops_every_binding_and_wake_up_binds_again(gemma3_dir: Path, tmp
     harness.add("awake", prompt(100))
     steps, computed, _ = harness.admit(worker, "awake")
     assert computed == 96 and not any(step.failed_loads for step in steps)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton missing")
+def test_a_step_of_several_requests_launches_once_per_group_and_direction(
+        gemma3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        launches: list[tuple[str, str, str]]) -> None:
+    """Three requests of up to three chunks each, in the two groups of a sliding-window model, saved in one
+    step, and their hits loaded in one step (synchronously: vLLM's scheduler plans them asynchronously for this
+    model, the worker is handed them as one step's synchronous loads): one Triton launch per group and
+    direction, one ``wait_stream`` and one event for each; the loading worker's blocks then hold the bytes the
+    saving worker's did."""
+    monkeypatch.setenv("KVGROUPS_KERNEL", "triton")  # as on a GPU (its interpreter here)
+    extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
+    kv = cache_config(["sliding", "full"])
+    config = vllm_config(gemma3_dir, extra)
+    counted: list[tuple[int, bool]] = []  # (group, scatter) of every launch
+    workers = []
+    for seed in (0, 1, 2):
+        worker = FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=seed)
+        worker.side.load_stream._name, worker.side.save_stream._name = "load", "save"  # type: ignore[attr-defined]
+        assert [transfer.kernels for transfer in worker.side.transfers] == [["triton"], ["triton"]]
+        for member, transfer in enumerate(worker.side.transfers):
+            copier = transfer._copiers[0]
+            real = copier.launch  # type: ignore[union-attr]
+
+            def count(kernel: Any, grid: Any, arguments: Any, constants: Any, member: int = member,
+                      real: Any = real) -> None:
+                counted.append((member, constants["scatter"]))
+                real(kernel, grid, arguments, constants)
+            copier.launch = count  # type: ignore[union-attr]
+        workers.append(worker)
+    saving, planning, loading = workers
+    harness = SchedulerHarness(config, kv)
+    for index in range(3):
+        harness.add(f"fill-{index}", prompt(100, seed=index))
+    launches.clear()
+    first = harness.step(saving)
+    saved = {plan.request_id: plan for plan in first.metadata.saves}
+    assert sorted(saved) == ["fill-0", "fill-1", "fill-2"] and sum(len(plan.chunks) for plan in saved.values()) >= 7
+    assert sorted(counted) == [(0, False), (1, False)]
+    engine = threading.current_thread().name
+    assert [launch for launch in launches if launch[0] == "save"] == [
+        ("save", engine, "launch after the engine's work"), ("save", engine, "record"),
+        ("save", engine, "the engine waits")]
+    # Each request's blocks as its last save saw them (one not wholly prefilled in the first step has more later).
+    blocks_of = {plan.request_id: plan.block_ids for step in [first, *harness.run(saving)]
+                 for plan in step.metadata.saves}
+
+    reuse = SchedulerHarness(config, kv)
+    for index in range(3):
+        reuse.add(f"reuse-{index}", prompt(100, seed=index))
+    planned: dict[str, Any] = {}
+    for _ in range(200):
+        planned.update({plan.request_id: plan for plan in reuse.step(planning).metadata.loads})
+        if len(planned) == 3:
+            break
+        time.sleep(0.005)  # a lookup runs in the background
+    plans = [planned[f"reuse-{index}"] for index in range(3)]
+    assert all(plan.num_tokens == 96 for plan in plans)
+    for group in (0, 1):  # three live requests: no block of one is another's
+        blocks = [block for plan in plans for block in plan.block_ids[group] if block]
+        assert len(blocks) == len(set(blocks))
+    counted.clear()
+    launches.clear()
+    loading.side.load(KVGroupsConnectorMetadata(loads=[replace(plan, asynchronous=False) for plan in plans]))
+    assert sorted(counted) == [(0, True), (1, True)]
+    assert [launch for launch in launches if launch[0] == "load"] == [
+        ("load", engine, "launch"), ("load", engine, "record"), ("load", engine, "the engine waits")]
+    assert loading.side.take_load_errors() == set()
+    # The blocks the loads wrote hold the saving worker's bytes: the full group's six blocks of the 96 tokens,
+    # and the sliding group's last one (its window, which is all a hit restores there).
+    for plan in plans:
+        fill = blocks_of[plan.request_id.replace("reuse", "fill")]
+        for group, blocks in ((0, [5]), (1, range(6))):
+            name = kv.kv_cache_groups[group].layer_names[0]
+            for block in blocks:
+                source, target = fill[group][block], plan.block_ids[group][block]
+                assert torch.equal(loading.caches[name][target].view(torch.uint8),  # random bytes: NaNs among them
+                                   saving.caches[name][source].view(torch.uint8)), (
+                    plan.request_id, group, block, source, target)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvgroups.core.cache_specs import LayerCacheSpec
@@ -110,13 +109,14 @@ class SavePlan:
                 for member in (member for member in engine_group.members if member in owned):
                     slots = chunk_slots(specs[member], chunk * chunk_size, end, block_ids, engine_group.block_size)
                     if not (slots < 0).any():  # else part of it has left this group's blocks (a window moved on)
-                        packs[member] = {"slot_mapping": torch.from_numpy(slots)}
+                        packs[member] = {"slot_mapping": slots}
                 continue
             how: dict[str, Any]
             if (engine_group.index, end) in handed:
-                how = {"state_indices": [handed[engine_group.index, end]]}
+                how = {"state_indices": np.array([handed[engine_group.index, end]], dtype=np.int64)}
             elif self._state_at(engine_group, end):
-                how = {"state_indices": [engine_group.state_block(self.block_ids[engine_group.index], end)]}
+                how = {"state_indices": np.array([engine_group.state_block(self.block_ids[engine_group.index], end)],
+                                                dtype=np.int64)}
             else:
                 continue
             packs.update({member: how for member in engine_group.members if member in owned})

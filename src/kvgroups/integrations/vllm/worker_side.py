@@ -1,22 +1,21 @@
 """The connector's worker side: bind vLLM's registered caches, restore planned prefixes, save new chunks.
 
-A load reads each entry once, into a reused buffer, checks it, and copies it into the request's
-blocks (:class:`~kvgroups.store.chunks.entry_reads.EntryReader`, then ``KVTransfer.unpack``); entries below vLLM's own
-prefix-cache hit are not read. Asynchronous loads run in background threads
-(:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, reported through
-``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the request under
-``kv_load_failure_policy="recompute"``. Synchronous loads run in ``start_load_kv``, before the forward that
-needs them; a failed one reports its blocks (``get_block_ids_with_load_errors``), which vLLM recomputes.
-Saves run in ``wait_for_save``, after the forward that computed them and before vLLM may hand their blocks
-to another request: a copy into host buffers, then encoding and writing on the chunk store's background
-writer; a save that fails is logged and costs a later miss. The copies are the data path's (``KVTransfer``).
+A load reads each entry once, into one of the loading thread's reused buffers, checks it, and queues its
+copy into the request's blocks (:class:`~kvgroups.store.chunks.entry_reads.EntryReader`, then
+``KVTransfer.unpack(defer=True)``); the queued copies go in one launch per group once the buffers are full
+or the loads are read. Entries below vLLM's own prefix-cache hit are not read. Asynchronous loads run in
+background threads (:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, reported
+through ``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the request
+under ``kv_load_failure_policy="recompute"``. Synchronous loads (all of a step's together) run in
+``start_load_kv``, before the forward that needs them; a failed one reports its blocks
+(``get_block_ids_with_load_errors``), which vLLM recomputes. Saves: :mod:`~kvgroups.integrations.vllm.worker_saves`.
 
 On a GPU the worker copies as vLLM's own offloading does (:mod:`~kvgroups.datapath.streams`): loads
 on a stream of their own and saves on another, launched with the caches' device current in the
-launching thread; a save's gather is ordered after the forward by the stream, never by making the
-engine thread wait, and goes through a staging buffer per group allocated (and logged) at
-registration; the writer waits for the save's event before encoding, and a load is reported only
-once its event completed. Every kernel is compiled at registration.
+launching thread, one event per launch; a load is reported only once its event completed, and its
+buffers are refilled only then. Every kernel is compiled at registration; the Triton kernels read the
+pinned read buffers and write the pinned save buffers themselves (a staging buffer per group, allocated
+and logged at registration, serves the groups the torch path copies).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import logging
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,34 +32,30 @@ import torch
 from kvgroups.core.metadata import LMCacheMetadata
 from kvgroups.datapath.buffers import HostBufferPool, ReadBuffers
 from kvgroups.datapath.kernels import warm_up
-from kvgroups.datapath.streams import DONE, Completion, CopyStream
+from kvgroups.datapath.streams import Completion, CopyStream
 from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import EngineGroup
 from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
-from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, SavePlan, chunk_slots
+from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, chunk_slots
 from kvgroups.integrations.vllm.stats import StatsReporter
+from kvgroups.integrations.vllm.worker_saves import WorkerSaves, bound
 from kvgroups.store.chunks.chunk_store import KVChunkStore
 from kvgroups.store.chunks.entry_reads import EntryReader
-from kvgroups.store.metrics.counters import DROP_NO_BUFFER
 
 logger = logging.getLogger(__name__)
 
 # How long a step that computed nothing waits for an asynchronous load to end (the engine's next step
 # starts at once when one does); bounded, so that new requests are admitted as before.
 IDLE_WAIT_SECONDS = 0.05
-Bound = TypeVar("Bound")
+# Host memory one loading thread reads entries into (pinned on a GPU): a step's entries are copied together
+# while they fit, in as many launches as it takes otherwise.
+READ_BUFFER_BYTES = 64 << 20
+MAX_READ_BUFFERS = 64
 
-def bound(value: Bound | None) -> Bound:
-    """What ``register_kv_caches`` sets up, once it has."""
-    if value is None:
-        raise KVGroupsError("register_kv_caches was not called before the first load or save")
-    return value
-
-
-class WorkerSide:
+class WorkerSide(WorkerSaves):
     """One worker's caches bound to its rank's chunk store."""
 
     def __init__(self, deployment: Deployment, rank: int) -> None:
@@ -91,6 +85,8 @@ class WorkerSide:
         self.reports = EntryReports() if deployment.kv_events else None
         # Finished requests whose last saves copy out of their blocks: vLLM frees those once reported.
         self._finishing: list[tuple[str, Completion]] = []
+        # Host buffers of saves that failed once queued: given back once their step's copies completed.
+        self._held: list[tuple[list[torch.Tensor], Completion]] = []
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self._registered = dict(kv_caches)
@@ -169,45 +165,71 @@ class WorkerSide:
 
     # --- loads ------------------------------------------------------------------------------
     def load(self, metadata: KVGroupsConnectorMetadata) -> None:
-        """Start this step's asynchronous loads; run its synchronous ones (before the forward)."""
+        """Start this step's asynchronous loads; run its synchronous ones (before the forward), every entry of
+        them read first, then copied by one launch per group (as many as the read buffers hold)."""
         if not self.transfers and self._registered:  # asleep (vLLM drains requests first): nothing to write into
             logger.warning("KVGroupsConnector rank %d: %d loads while the caches are unregistered fail",
                            self.rank, len(metadata.loads))
+        synchronous = []
         for plan in metadata.loads:
             if plan.asynchronous:
                 # Beside a forward a load copies on one thread; in a step that computes nothing (every
                 # request waits) on all of them.
                 transfers = self.transfers if metadata.idle else self.load_transfers
-                bound(self.loads).submit(plan.request_id, partial(self._launch, plan, transfers))
-                continue
-            if self._sync_buffers is None:
-                self._sync_buffers = self._read_buffers()
-            loaded, copies = self._launch(plan, self.transfers, self._sync_buffers)
-            # The forward that reads these blocks runs after the copies, on the GPU; nothing waits here.
-            self.load_stream.before_engine(copies)
-            if not loaded:
+                bound(self.loads).submit(plan.request_id, partial(self._launch_one, plan, transfers))
+            else:
+                synchronous.append(plan)
+        if not synchronous:
+            return
+        if self._sync_buffers is None:
+            self._sync_buffers = self._read_buffers()
+        loaded, copies = self._launch(synchronous, self.transfers, self._sync_buffers)
+        # The forward that reads these blocks runs after the copies, on the GPU; nothing waits here.
+        self.load_stream.before_engine(copies)
+        for plan in synchronous:
+            if plan.request_id not in loaded:
                 self._load_errors.update(plan.blocks_written(self.engine_groups))
 
     def _read_buffers(self) -> ReadBuffers:
-        """Where one loading thread reads entries: pinned on a GPU, each refilled once copied from."""
-        return ReadBuffers(bound(self.reader).buffer_size(), pin=self.device.type == "cuda")
+        """Where one loading thread reads entries: pinned on a GPU, each refilled once copied from; as many as
+        :data:`READ_BUFFER_BYTES` hold (two at least), so that a step's entries are copied by few launches."""
+        size = bound(self.reader).buffer_size()
+        return ReadBuffers(size, pin=self.device.type == "cuda", count=max(2, min(MAX_READ_BUFFERS,
+                                                                                  READ_BUFFER_BYTES // max(size, 1))))
 
-    def _launch(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> tuple[bool, Completion]:
-        """Restore ``plan`` on the load stream: whether every entry was there, and the end of its copies
-        (also of a failed load's, which may have written some blocks before it failed)."""
+    def _launch(self, plans: list[LoadPlan], transfers: list[KVTransfer],
+                buffers: ReadBuffers) -> tuple[set[str], Completion]:
+        """Restore ``plans`` on the load stream: the requests whose every entry was there, and the end of the
+        copies (also of a failed load's, which may have written some blocks before it failed)."""
+        loaded = set()
         with self.load_stream.launching():
-            try:
-                restored = self._restore(plan, transfers, buffers)
-            except Exception:  # a load must never take the engine down: vLLM recomputes what failed
-                logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
-                restored = False
-            return restored, self.load_stream.record()
+            for plan in plans:
+                try:
+                    if self._restore(plan, transfers, buffers):
+                        loaded.add(plan.request_id)
+                except Exception:  # a load must never take the engine down: vLLM recomputes what failed
+                    logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
+            copies = self._launch_queued(transfers, buffers)
+        return loaded, copies
+
+    def _launch_one(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> tuple[bool, Completion]:
+        """An asynchronous load's job: whether ``plan`` was restored whole, and the end of its copies."""
+        loaded, copies = self._launch([plan], transfers, buffers)
+        return plan.request_id in loaded, copies
+
+    def _launch_queued(self, transfers: list[KVTransfer], buffers: ReadBuffers) -> Completion:
+        """Copy every entry queued out of ``buffers``: one launch per group, one event."""
+        launched = [transfer.launch(scatter=True) for transfer in transfers]
+        copies = self.load_stream.record()
+        for each in launched:
+            each.release_after(copies)
+        buffers.launched(copies)
+        return copies
 
     def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
-        """Read every entry the plan needs, once, and copy it into the request's blocks; whether all were there.
-
-        Counted as one load of the tokens it restored beyond vLLM's own prefix-cache hit (none when it failed).
-        """
+        """Read every entry the plan needs, once, and queue its copy into the request's blocks; whether all were
+        there. Counted as one load of the tokens it restored beyond vLLM's own prefix-cache hit (none when it
+        failed)."""
         begin = time.perf_counter()
         restored = self._restore_entries(plan, transfers, buffers)
         bound(self.store).stats.loaded(plan.num_tokens - plan.local_tokens if restored else 0,
@@ -229,6 +251,8 @@ class WorkerSide:
                         continue  # in vLLM's own prefix cache already
                     shared = self.shared_reader is not None and member in self.deployment.shared_groups
                     reader = self.shared_reader if shared and self.shared_reader is not None else bound(self.reader)
+                    if buffers.all_queued():  # every buffer holds an entry not yet copied: copy them now
+                        self._launch_queued(transfers, buffers)
                     index, buffer = buffers.take()
                     entry = reader.read((shared_keys if shared else keys)[chunk], member, chunk, buffer)
                     if entry is None:
@@ -236,28 +260,27 @@ class WorkerSide:
                                        "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
                         return False
                     self._write_entry(member, transfers[member], engine_group, entry, first, plan, block_ids)
-                    buffers.copied(index, self.load_stream.record())  # the buffer is refilled after this
+                    buffers.queued(index)  # refilled once the launch that copies it completed
         return True
 
     def _write_entry(self, member: int, transfer: KVTransfer, engine_group: EngineGroup, entry: torch.Tensor,
                      first: int, plan: LoadPlan, block_ids: np.ndarray) -> None:
-        """Copy one entry (the chunk from token ``first``) into the request's blocks, on the current stream: a state
-        into the block vLLM continues the request from, K/V (rows, pages) past vLLM's own prefix-cache hit."""
+        """Queue the copy of one entry (the chunk from token ``first``) into the request's blocks: a state into
+        the block vLLM continues the request from, K/V (rows, pages) past vLLM's own prefix-cache hit."""
         if not engine_group.token_indexed:
             block = engine_group.state_block(plan.block_ids[engine_group.index], plan.num_tokens)
-            transfer.unpack([entry], state_indices=[block], synchronize=False)
+            transfer.unpack([entry], state_indices=np.array([block], dtype=np.int64), defer=True)
             return
         spec = self.specs[member]
         stored_first = spec.slot_range(first, first + self.chunk_size)[0]
         local_end = spec.slot_range(0, plan.local_tokens)[1] if plan.local_tokens else 0
         slots = chunk_slots(spec, first, first + self.chunk_size, block_ids, engine_group.block_size, local_end)
-        rows = np.arange(slots.size) + max(0, local_end - stored_first)  # the entry's rows these slots take
         kept = slots >= 0  # the null block's slots have slid out of the window: nothing to write
         if kept.all() and slots.size == entry.shape[2]:
-            transfer.unpack([entry], torch.from_numpy(slots), synchronize=False)
+            transfer.unpack([entry], slots, defer=True)
         elif kept.any():
-            chosen = entry.index_select(2, torch.from_numpy(rows[kept]))
-            transfer.unpack([chosen], torch.from_numpy(slots[kept]), synchronize=False)
+            rows = np.arange(slots.size, dtype=np.int64) + max(0, local_end - stored_first)  # the entry's rows
+            transfer.unpack([entry], slots[kept], rows=rows[kept], defer=True)
 
     def finished_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads ended since the last call, and those of them that failed.
@@ -278,58 +301,6 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    # --- saves ------------------------------------------------------------------------------
-    def save(self, metadata: KVGroupsConnectorMetadata) -> None:
-        asleep = not self.transfers and bool(self._registered)  # the caches' memory is not ours to read
-        for plan in metadata.saves:
-            try:
-                if not asleep:
-                    self._save(plan)
-            except Exception:  # a save that fails costs a later miss, never this request
-                logger.exception("request %s: saving chunks %s failed", plan.request_id, list(plan.chunks))
-        if metadata.saves and not asleep:
-            # vLLM may hand the blocks a save reads to another request at its next step (a finished
-            # request's, a window's, a state vLLM moves on from) and the next forward may write them:
-            # the engine's stream runs on only after this step's save copies (no thread waits).
-            self.save_stream.before_engine(copies := self.save_stream.record())
-            self._finishing += [(plan.request_id, copies) for plan in metadata.saves if plan.finishing]
-        elif metadata.saves:  # nothing was copied: its blocks are free to go
-            self._finishing += [(plan.request_id, DONE) for plan in metadata.saves if plan.finishing]
-
-    def finished_saves(self) -> set[str]:
-        """Finished requests whose last saves are copied out of their blocks (vLLM's ``finished_sending``:
-        it frees their blocks now), whether those saves succeeded or not."""
-        done = {request_id for request_id, copies in self._finishing if copies.query()}
-        self._finishing = [(request_id, copies) for request_id, copies in self._finishing if request_id not in done]
-        return done
-
-    def _save(self, plan: SavePlan) -> None:
-        store = bound(self.store)
-        keys = store.keys(plan.tokens, request_salt=plan.request_salt)
-        owned = set(self.deployment.owned_groups(self.rank))  # rank 0 alone saves what every rank holds alike
-        for chunk in plan.chunks:
-            packs = plan.packs(chunk, self.engine_groups, owned, self.chunk_size, self.specs)
-            if not packs:
-                continue
-            # Queued saves hold host memory from a bounded pool, never the engine's device memory.
-            buffers = bound(self.host_buffers).take([
-                (self.deployment.groups[member].chunk_shape(self.chunk_size), self.deployment.groups[member].dtype)
-                for member in packs])
-            if buffers is None:
-                store.stats.dropped(DROP_NO_BUFFER)
-                continue
-            tensors = {}
-            # After the forward that computed these tokens, on the save stream: the engine thread does not wait.
-            with self.save_stream.launching(after_engine=True):
-                for (member, how), buffer in zip(packs.items(), buffers, strict=True):
-                    staging = None if self.staging is None else [self.staging[member]]
-                    tensors[member] = self.transfers[member].pack(out=[buffer], staging=staging, synchronize=False,
-                                                                  **how)[0]
-                copies = self.save_stream.record()
-            # The writer waits for the copies before it encodes the buffers.
-            store.save_chunk(keys[chunk], chunk, tensors, release=partial(bound(self.host_buffers).give_back, buffers),
-                             ready=copies.synchronize, written=self.reports.written if self.reports else None)
 
     # --- helpers ----------------------------------------------------------------------------
     def flush(self) -> None:
