@@ -6,7 +6,9 @@ Rows:
     layout the connector accepts: vLLM's pages with NHD (LBNHC) and HND (LBHNC) strides, bf16 and fp8,
     padded pages (a block stride past the page), diff-KV pages, MLA latents and recurrent states;
   * speed: pack and unpack of block-aligned 256-token chunks (32 layers x 8 heads x 128, bf16) between
-    device caches and pinned host buffers, against ``copy_`` of the same bytes, medians of paired ratios;
+    device caches and pinned host buffers, against ``copy_`` of the same bytes, medians of paired ratios, end
+    to end and with the stream kept busy while the calls are issued (the copies alone), and the host
+    microseconds of a call (its launch included);
   * completion: a load on the load stream, delayed by a long kernel, is not reported finished before its
     event completed, and the caches hold its bytes once it is;
   * synchronizations: what a save (gather, copy to pinned memory, event) makes the launching thread wait
@@ -112,28 +114,38 @@ def kernel_rows(device: torch.device, layers: int = 4, blocks: int = 64, num_slo
     return rows
 
 
-def _median_ratio(baseline: Callable[[], None], variant: Callable[[], None], rounds: int) -> tuple[float, float]:
-    """Median of baseline time / variant time over interleaved rounds, and the variant's median seconds."""
-    ratios, seconds = [], []
+def _median_ratio(baseline: Callable[[], None], variant: Callable[[], None], rounds: int, *,
+                  preload: bool = False) -> tuple[float, float, float]:
+    """Median of baseline time / variant time over interleaved rounds, the variant's median seconds, and the
+    variant call's median host microseconds. ``preload``: the stream is kept busy (a sleep kernel) while the
+    calls are issued, so the events time the copies alone, not the host work before their launch."""
+    ratios, seconds, host = [], [], []
     for round_index in range(rounds + 2):
         timed = []
         for action in (baseline, variant) if round_index % 2 else (variant, baseline):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if preload:
+                torch.cuda._sleep(20_000_000)  # longer than any call's host work
             start.record()
+            begin = time.perf_counter()
             action()
+            issued = time.perf_counter() - begin
             end.record()
             end.synchronize()
-            timed.append((action, start.elapsed_time(end) / 1000))
+            timed.append((action, start.elapsed_time(end) / 1000, issued))
         if round_index < 2:
             continue  # warm-up
-        times = dict(timed)
+        times = {action: elapsed for action, elapsed, _ in timed}
         ratios.append(times[baseline] / times[variant])
         seconds.append(times[variant])
-    return statistics.median(ratios), statistics.median(seconds)
+        host.append(next(issued for action, _, issued in timed if action is variant) * 1e6)
+    return statistics.median(ratios), statistics.median(seconds), statistics.median(host)
 
 
 def speed_rows(device: torch.device, rounds: int = 21) -> list[Row]:
-    """Pack into and unpack from pinned host memory against copy_ of the same bytes."""
+    """Pack into and unpack from pinned host memory against copy_ of the same bytes: end to end (the call's
+    host work included), the copies alone (the stream kept busy while the calls are issued), and the host
+    microseconds of a call."""
     layers, heads, head, block, chunk, blocks = 32, 8, 128, 16, 256, 2048
     values = {f"layers.{index}": torch.randn(blocks, block, heads, 2 * head, device=device).to(torch.bfloat16)
               .permute(0, 2, 1, 3) for index in range(layers)}
@@ -146,17 +158,24 @@ def speed_rows(device: torch.device, rounds: int = 21) -> list[Row]:
     source = torch.empty(group.chunk_bytes(chunk), dtype=torch.uint8, device=device)
     host = pinned.view(-1).view(torch.uint8)
     order = torch.randperm(blocks - chunk // block)[:1]
-    slots = torch.arange(chunk) + int(order[0]) * block  # on the host, as the connector passes them
+    slots = (torch.arange(chunk) + int(order[0]) * block).numpy()  # on the host, as the connector passes them
     gigabytes = group.chunk_bytes(chunk) / 1e9
-    pack_ratio, pack_seconds = _median_ratio(lambda: host.copy_(source, non_blocking=True),
-                                             lambda: transfer.pack(slots, out=[pinned], staging=staging,
-                                                                   synchronize=False), rounds)
-    unpack_ratio, unpack_seconds = _median_ratio(lambda: source.copy_(host, non_blocking=True),
-                                                 lambda: transfer.unpack([pinned], slots, synchronize=False), rounds)
-    return [("pack to pinned host / copy_ D2H", f"{gigabytes * 1000:.0f} MB chunk",
-             f"{pack_ratio:.2f} ({gigabytes / pack_seconds:.1f} GB/s)"),
-            ("unpack from pinned host / copy_ H2D", f"{gigabytes * 1000:.0f} MB chunk",
-             f"{unpack_ratio:.2f} ({gigabytes / unpack_seconds:.1f} GB/s)")]
+    rows: list[Row] = []
+    for preload, how in ((False, "end to end"), (True, "copies alone")):
+        pack_ratio, pack_seconds, pack_host = _median_ratio(
+            lambda: host.copy_(source, non_blocking=True),
+            lambda: transfer.pack(slots, out=[pinned], staging=staging, synchronize=False), rounds, preload=preload)
+        unpack_ratio, unpack_seconds, unpack_host = _median_ratio(
+            lambda: source.copy_(host, non_blocking=True),
+            lambda: transfer.unpack([pinned], slots, synchronize=False), rounds, preload=preload)
+        rows += [(f"pack to pinned host / copy_ D2H, {how}", f"{gigabytes * 1000:.0f} MB chunk",
+                  f"{pack_ratio:.2f} ({gigabytes / pack_seconds:.1f} GB/s)"),
+                 (f"unpack from pinned host / copy_ H2D, {how}", f"{gigabytes * 1000:.0f} MB chunk",
+                  f"{unpack_ratio:.2f} ({gigabytes / unpack_seconds:.1f} GB/s)")]
+        if preload:
+            rows.append(("host work per call (pack, unpack)", "launch included",
+                         f"{pack_host:.0f} µs, {unpack_host:.0f} µs"))
+    return rows
 
 
 def completion_rows(device: torch.device) -> list[Row]:
