@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -58,12 +59,13 @@ class BoundCache:
             low, high = group.spec.slot_range(start, end)
             available = max(low, first_held)
             if available == low and high - low == group.spec.chunk_slots(end - start):
-                slots = torch.arange(low - first_held, high - first_held, device=transfer.device)
+                # Slots on the host: the data path plans a call there and never reads back a device tensor.
+                slots = np.arange(low - first_held, high - first_held, dtype=np.int64)
                 chunks.append(transfer.pack(slots)[0])
                 continue
             whole = torch.zeros(group.chunk_shape(end - start), dtype=group.dtype, device=transfer.device)
             if high > available:
-                slots = torch.arange(available - first_held, high - first_held, device=transfer.device)
+                slots = np.arange(available - first_held, high - first_held, dtype=np.int64)
                 whole[:, :, available - low:high - low] = transfer.pack(slots)[0]
             chunks.append(whole)
         return chunks
@@ -174,8 +176,7 @@ class CacheBinding:
                         continue
                     whole = (low, high) == (first, first + tensor.shape[2])
                     rows = tensor if whole else tensor[:, :, low - first:high - first].contiguous()
-                    transfer.unpack([rows.to(self.device)], torch.arange(low - start, high - start,
-                                                                         device=self.device))
+                    transfer.unpack([rows.to(self.device)], np.arange(low - start, high - start, dtype=np.int64))
             values.update(fresh)
         install(self.parts, values, cache, boundary)
         return cache
