@@ -191,3 +191,34 @@ def test_one_launch_per_group_for_a_batch_of_calls_byte_exact() -> None:
         for got, want in zip(value if isinstance(value, tuple) else (value,),
                              wanted if isinstance(wanted, tuple) else (wanted,), strict=True):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+def test_a_launch_that_fails_leaves_nothing_queued_and_no_runs_leased() -> None:
+    """A launch raising (a driver error) fails its call; the next call of the thread copies only its own chunks
+    and the ring hands its runs out again."""
+    values, manager = caches()
+    transfer = KVTransfer(manager, values, kernel="triton")
+    generator = np.random.default_rng(3)
+    slots = block_aligned(32, generator)
+    states = np.array([1], dtype=np.int64)
+    out = [torch.zeros(group.slots_shape(slots.size, 1), dtype=group.dtype) for group in manager.kv_layer_groups]
+    transfer.pack(slots, state_indices=states, out=out, defer=True)  # queued for a launch that fails
+    copier = transfer._copiers[1]
+    real = copier.launch  # type: ignore[union-attr]
+
+    def broken(*arguments: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    copier.launch = broken  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        transfer.launch(scatter=False)
+    copier.launch = real  # type: ignore[union-attr]
+    assert all(c.queue(False).num_runs == 0 for c in transfer._copiers)  # type: ignore[union-attr]
+    assert all(lease.completion is not None for c in transfer._copiers for lease in c.ring.leases)  # type: ignore[union-attr]
+    # The groups after the one that failed never copied the failed call's chunk, not even at the next launch.
+    again = block_aligned(16, generator)
+    packed = transfer.pack(again, state_indices=np.array([2], dtype=np.int64), out=[
+        torch.zeros(group.slots_shape(16, 1), dtype=group.dtype) for group in manager.kv_layer_groups])
+    assert not out[2].view(torch.uint8).any()
+    expected = KVTransfer(manager, values, kernel="torch").pack(torch.from_numpy(again), state_indices=[2])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(packed, expected, strict=True))

@@ -25,6 +25,7 @@ from kvgroups.datapath.descriptors import (
     DescriptorRing,
     RingLease,
 )
+from kvgroups.datapath.streams import DONE
 
 # The reductions themselves, without ndarray methods' Python wrappers (a microsecond each, several a call).
 _bitwise_or, _minimum, _maximum = np.bitwise_or.reduce, np.minimum.reduce, np.maximum.reduce
@@ -160,10 +161,19 @@ class RunCopier:
         queue.write(self.ring.runs[lease.start:lease.end])
         lease.held = queue.held  # alive until the lease is retired, after the copies completed
         word = min(self.word_bytes, queue.alignment)
-        for first in range(lease.start, lease.end, self.max_runs):
-            self.launches += 1
-            self.launch_runs(first, min(self.max_runs, lease.end - first), queue.longest_run, word, scatter)
-        queue.clear()
+        try:
+            for first in range(lease.start, lease.end, self.max_runs):
+                self.launches += 1
+                self.launch_runs(first, min(self.max_runs, lease.end - first), queue.longest_run, word, scatter)
+        except BaseException:
+            # What was launched may still read the runs: wait for it, so that the ring never holds a lease
+            # nobody releases.
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            lease.release_after(DONE)
+            raise
+        finally:
+            queue.clear()
         return lease
 
     def check_bound(self) -> None:

@@ -9,7 +9,11 @@ call then synchronizes once (:meth:`~kvgroups.datapath.transfer.Launched.release
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from kvgroups.errors import ChunkMismatchError
 
 
 class Staging:
@@ -34,3 +38,20 @@ class Staging:
         self.copy(staged, chunk)
         self.uploads += 1
         return staged
+
+
+def gather_buffer(device: torch.device, index: int, chunk: torch.Tensor, staging: Sequence[torch.Tensor] | None,
+                  num_groups: int) -> torch.Tensor:
+    """Where group ``index``'s chunk is gathered on ``device`` before it is copied to ``chunk``'s: its buffer of
+    ``staging`` (one per group, uint8, at least the chunk's bytes), else a temporary one."""
+    if staging is None:
+        return torch.empty_like(chunk, device=device)
+    if len(staging) != num_groups:
+        raise ChunkMismatchError(f"staging has {len(staging)} buffers for {num_groups} groups")
+    buffer = staging[index]
+    needed = chunk.numel() * chunk.element_size()
+    if (not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.device != device
+            or not buffer.is_contiguous() or buffer.numel() < needed):
+        raise ChunkMismatchError(f"staging for group {index} must be a contiguous uint8 tensor of at least "
+                                 f"{needed} bytes on {device}")
+    return buffer[:needed].view(chunk.dtype).view(chunk.shape)

@@ -33,7 +33,7 @@ from kvgroups.datapath.descriptors import Launched, RingLease
 from kvgroups.datapath.kernels import Copier, choose_kernel, state_copier, token_copier
 from kvgroups.datapath.run_queue import RunCopier
 from kvgroups.datapath.slots import CallSlots
-from kvgroups.datapath.staging import Staging
+from kvgroups.datapath.staging import Staging, gather_buffer
 from kvgroups.errors import ChunkMismatchError, KVGroupsError
 
 Groups = KVLayerGroupsManager | Sequence[KVLayerGroupInfo]
@@ -174,7 +174,8 @@ class KVTransfer:
             raise ChunkMismatchError(f"out has {len(outputs)} tensors for {len(self.groups)} groups")
         for index, (chunk, shape) in enumerate(zip(outputs, shapes, strict=True)):
             self._checks.chunk(index, chunk, shape, "out")
-        buffers = [chunk if self._direct(index, chunk) else self._gather_buffer(index, chunk, staging)
+        buffers = [chunk if self._direct(index, chunk)
+                   else gather_buffer(self.device, index, chunk, staging, len(self.groups))
                    for index, chunk in enumerate(outputs)]
         self._queue(call, buffers, scatter=False)
         staged = [(chunk, buffer) for chunk, buffer in zip(outputs, buffers, strict=True) if buffer is not chunk]
@@ -205,21 +206,6 @@ class KVTransfer:
         if chunk.device == self.device:
             return True
         return self._run_copiers[index] is not None and self.device.type == "cuda" and chunk.is_pinned()
-
-    def _gather_buffer(self, index: int, chunk: torch.Tensor, staging: Sequence[torch.Tensor] | None) -> torch.Tensor:
-        """Where group ``index``'s chunk is gathered before it is copied to ``chunk``'s device: its staging buffer,
-        else a temporary one."""
-        if staging is None:
-            return torch.empty_like(chunk, device=self.device)
-        if len(staging) != len(self.groups):
-            raise ChunkMismatchError(f"staging has {len(staging)} buffers for {len(self.groups)} groups")
-        buffer = staging[index]
-        needed = chunk.numel() * chunk.element_size()
-        if (not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.device != self.device
-                or not buffer.is_contiguous() or buffer.numel() < needed):
-            raise ChunkMismatchError(f"staging for group {index} must be a contiguous uint8 tensor of at least "
-                                     f"{needed} bytes on {self.device}")
-        return buffer[:needed].view(chunk.dtype).view(chunk.shape)
 
     def unpack(
         self,
@@ -274,15 +260,20 @@ class KVTransfer:
         """Issue every queued copy of one direction: one launch per group for the Triton kernels. The caller
         releases what it returns once the copies completed (:meth:`Launched.release_after`)."""
         leases: list[RingLease] = []
-        for run_copier in self._run_copiers:
-            if run_copier is not None:
-                lease = run_copier.launch_queued(scatter)
-                if lease is not None:
-                    leases.append(lease)
         pending = self._pending(scatter)
-        if pending:
+        try:
+            for run_copier in self._run_copiers:
+                if run_copier is not None and (lease := run_copier.launch_queued(scatter)) is not None:
+                    leases.append(lease)
             for index, chunk, call, rows in pending:
                 self._copy_slowly(index, chunk, call, rows, scatter)
+        except BaseException:  # nothing queued outlives a failed launch (its chunks may be reused at once)
+            for run_copier in self._run_copiers:
+                if run_copier is not None:
+                    run_copier.queue(scatter).clear()
+            Launched(self.device, leases, asynchronous=False).release(synchronize=True)
+            raise
+        finally:
             pending.clear()
         return Launched(self.device, leases, asynchronous=False)
     def __repr__(self) -> str:
