@@ -43,12 +43,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved(variants: dict[str, Action], iterations: int, device: torch.device) -> dict[str, list[float]]:
+def interleaved(variants: dict[str, Action], iterations: int, device: torch.device, *,
+                device_only: bool = False) -> dict[str, list[float]]:
     """Seconds per iteration of each variant, run in turn so that noise hits all alike.
 
     The order is shuffled each iteration (from a fixed seed): whatever one variant leaves behind
     (torch's threads spinning on after a multi-threaded copy, caches and TLBs filled with its
     memory) falls on a different variant each time, never always on the one that follows it.
+    ``device_only`` (CUDA): the stream is kept busy by a sleep kernel while a variant is issued, and
+    events time what it ran on the device: the copies alone, without the host work before their launch.
     """
     for action in variants.values():
         action(0)  # warm-up
@@ -60,6 +63,15 @@ def interleaved(variants: dict[str, Action], iterations: int, device: torch.devi
         for name in names:
             action = variants[name]
             synchronize(device)
+            if device_only and device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(20_000_000)  # longer than any variant's host work
+                start.record()
+                action(iteration)
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1000)
+                continue
             begin = time.perf_counter()
             action(iteration)
             synchronize(device)
@@ -96,7 +108,8 @@ def make_caches(allocation: str, cache_gib: float, device: torch.device) -> dict
     return {f"model.layers.{index}.self_attn.attn": layer for index, layer in enumerate(layers)}
 
 
-def throughput(allocation: str, cache_gib: float, iterations: int, device: torch.device) -> tuple[list[str], list[str]]:
+def throughput(allocation: str, cache_gib: float, iterations: int, device: torch.device,
+               device_only: bool = False) -> tuple[list[str], list[str]]:
     """The table's rows for one allocation, and how each bound transfer moves scattered rows (its repr)."""
     torch.manual_seed(0)
     caches = make_caches(allocation, cache_gib, device)
@@ -122,11 +135,12 @@ def throughput(allocation: str, cache_gib: float, iterations: int, device: torch
     arange = torch.arange(BLOCK_SIZE)
 
     def slots_of(mode: str, position: int) -> torch.Tensor:
+        """On the host, as the connector hands them (slots on the device are read back to be checked)."""
         position %= chunks_per_table
         if mode == "block-aligned":
             blocks = block_table[position * (CHUNK // BLOCK_SIZE):(position + 1) * (CHUNK // BLOCK_SIZE)]
-            return (blocks[:, None] * BLOCK_SIZE + arange).flatten().to(device)
-        return every_slot[position * CHUNK:(position + 1) * CHUNK].to(device)
+            return (blocks[:, None] * BLOCK_SIZE + arange).flatten()
+        return every_slot[position * CHUNK:(position + 1) * CHUNK]
 
     variants: dict[str, Action] = {}
     count = 0
@@ -157,7 +171,7 @@ def throughput(allocation: str, cache_gib: float, iterations: int, device: torch
 
             add(f"{name}|{mode}|pack", packer)
             add(f"{name}|{mode}|unpack", unpacker)
-    times = interleaved(variants, iterations, device)
+    times = interleaved(variants, iterations, device, device_only=device_only)
     copy_in_seconds, copy_out_seconds = statistics.median(times["(a)"]), statistics.median(times["(a')"])
     rows = [
         f"| {allocation} | (a) copy_ from a cold region | - | torch | {chunk_bytes / copy_in_seconds / 1e9:.2f} "
@@ -186,7 +200,7 @@ def small_calls(iterations: int, device: torch.device) -> list[str]:
     bound = KVTransfer(manager, caches)
     reference = KVTransfer(manager, caches, kernel="torch")
     chunk = torch.empty(2, NUM_LAYERS, BLOCK_SIZE, HIDDEN, dtype=torch.bfloat16, device=device)
-    slots = [torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE, device=device) for block in range(num_blocks)]
+    slots = [torch.arange(block * BLOCK_SIZE, (block + 1) * BLOCK_SIZE) for block in range(num_blocks)]  # on the host
     # Each variant's blocks lie num_blocks / 7 blocks (about 36 MiB of the 32 layers) after the previous
     # variant's: a block one variant moved is one another moves only after about 20 iterations, when no
     # CPU cache holds it any more. (Blocks a few apart, as before, made some variants read what another
@@ -231,7 +245,7 @@ def allocation_cost(iterations: int, device: torch.device) -> list[str]:
 
     def slots(i: int) -> torch.Tensor:
         blocks = table[(i % (num_blocks // per_chunk)) * per_chunk:][:per_chunk]
-        return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten().to(device)
+        return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()  # on the host
 
     def fresh(i: int) -> None:
         # What a caller gets without reuse: a new chunk tensor per call (page-faulted on first write).
@@ -299,6 +313,13 @@ def main() -> None:
         for row in rows:
             print(row, flush=True)
         chosen += transfers
+    if device.type == "cuda":  # the copies alone: the stream busy while each call is issued
+        print("\nThe same, timed on the device alone (the stream kept busy while each call is issued):\n")
+        print("| allocation | slot mapping (or baseline) | op | kernel | GB/s | vs (a) for pack, (a') for unpack |")
+        print("|---|---|---|---|---|---|")
+        for allocation in allocations:
+            for row in throughput(allocation, args.cache_gib, args.iterations, device, device_only=True)[0]:
+                print(row, flush=True)
     print("\nThe transfers measured (what each chose when it bound):\n")
     for line in chosen:
         print(f"- {line}")

@@ -276,6 +276,11 @@ class KVTransfer:
         finally:
             pending.clear()
         return Launched(self.device, leases, asynchronous=False)
+    @property
+    def addresses_pinned_chunks(self) -> bool:
+        """Whether every group's kernel reads and writes chunks in pinned host memory itself (no staging)."""
+        return all(copier is not None for copier in self._run_copiers)
+
     def __repr__(self) -> str:
         groups = "; ".join(
             f"{group.kind.value} x{len(group.layer_names)}: {kernel}" + (f", {how}" if how else "")

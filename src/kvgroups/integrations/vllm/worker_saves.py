@@ -64,7 +64,7 @@ class WorkerSaves:
     engine_groups: list[EngineGroup]
     specs: list[LayerCacheSpec]
     save_stream: CopyStream
-    staging: list[torch.Tensor] | None
+    staging: list[torch.Tensor | None] | None
     host_buffers: HostBufferPool | None
     reports: EntryReports | None
     _registered: dict[str, torch.Tensor]
@@ -139,7 +139,8 @@ class WorkerSaves:
             queued.append(save)
             try:
                 for (member, how), buffer in zip(packs.items(), buffers, strict=True):
-                    staging = None if self.staging is None else [self.staging[member]]
+                    buffer_on_device = None if self.staging is None else self.staging[member]
+                    staging = None if buffer_on_device is None else [buffer_on_device]
                     save.tensors[member] = self.transfers[member].pack(out=[buffer], staging=staging, defer=True,
                                                                        synchronize=False, **how)[0]
             except Exception:

@@ -74,7 +74,7 @@ class WorkerSide(WorkerSaves):
         self.stats: StatsReporter | None = None  # the store's counts since the last step, for vLLM
         self.device = torch.device("cpu")  # the caches', once registered
         self.load_stream = self.save_stream = CopyStream(self.device)
-        self.staging: list[torch.Tensor] | None = None  # per group, where a save gathers on a GPU
+        self.staging: list[torch.Tensor | None] | None = None  # per group, where a save gathers on a GPU
         self.host_buffers: HostBufferPool | None = None
         self._registered: dict[str, torch.Tensor] = {}
         self._bound = ""
@@ -150,10 +150,12 @@ class WorkerSide(WorkerSaves):
         self.load_stream, self.save_stream = CopyStream(device), CopyStream(device)
         staging_bytes = 0
         if device.type != "cpu":
-            # The device memory saves take beyond vLLM's budget: one chunk per group, reused by every save.
-            self.staging = [torch.empty(group.chunk_bytes(self.chunk_size), dtype=torch.uint8, device=device)
-                            for group in groups]
-            staging_bytes = sum(buffer.numel() for buffer in self.staging)
+            # The device memory saves take beyond vLLM's budget: one chunk per group, reused by every save,
+            # for the groups whose kernel cannot write pinned host memory itself (the torch path).
+            self.staging = [None if transfer.addresses_pinned_chunks else
+                            torch.empty(group.chunk_bytes(self.chunk_size), dtype=torch.uint8, device=device)
+                            for group, transfer in zip(groups, self.transfers, strict=True)]
+            staging_bytes = sum(buffer.numel() for buffer in self.staging if buffer is not None)
         kernel = warm_up(device) if self.transfers else "none"
         with self.save_stream.launching():
             for transfer in (*self.transfers, *self.load_transfers):
