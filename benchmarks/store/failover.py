@@ -68,8 +68,10 @@ def kill_and_wait(cluster: Cluster, victim: int) -> float:
     return time.monotonic()
 
 
-def synced(cluster: Cluster, repetitions: int) -> list[float]:
-    """Seconds from the cluster whole again to every prompt hitting, per kill, the replicas in sync first."""
+def synced(cluster: Cluster, repetitions: int, *, throughout: bool = False) -> list[float]:
+    """Seconds from the cluster whole again to every prompt hitting, per kill, the replicas in sync first; asked
+    once the cluster is whole, or (``throughout``) by a reader asking from the kill on, so that the dead
+    master's back-off is fresh when the failover completes."""
     store = KVChunkStore(build_metadata(MIXED_KINDS), cluster.url)
     every = prompts(12)
     save_all(store, every)
@@ -79,34 +81,18 @@ def synced(cluster: Cluster, repetitions: int) -> list[float]:
             cluster.in_sync(port)
         masters = cluster.masters()
         victim = cluster.ports[0] if cluster.ports[0] in masters else masters[0]  # the URL's first node, first
-        whole = kill_and_wait(cluster, victim)
-        while [store.lookup(tokens) for tokens in every] != [40] * len(every):
-            if time.monotonic() - whole > 30:
-                raise RuntimeError(f"synced repetition {repetition + 1}: no full hits within 30 s of whole")
-            time.sleep(0.02)
-        after.append(time.monotonic() - whole)
-        print(f"synced {repetition + 1}: hits {after[-1]:.2f} s after whole", flush=True)
-        cluster.restart(victim)
-    store.close()
-    return after
-
-
-def asking(cluster: Cluster, repetitions: int) -> list[float]:
-    """Seconds from the cluster whole again to every prompt hitting, per kill, a reader asking throughout (from
-    the kill on, so that the dead master's back-off is fresh when the failover completes)."""
-    store = KVChunkStore(build_metadata(MIXED_KINDS), cluster.url)
-    every = prompts(12)
-    save_all(store, every)
-    after = []
-    for repetition in range(repetitions):
-        for port in cluster.masters():
-            cluster.in_sync(port)
-        masters = cluster.masters()
-        victim = cluster.ports[0] if cluster.ports[0] in masters else masters[0]
-        whole_after, hits_after = failover_seconds(cluster, store, every, victim)
-        after.append(max(0.0, hits_after - whole_after))
-        print(f"asking {repetition + 1}: whole {whole_after:.2f} s after the kill, hits {after[-1]:.2f} s after whole",
-              flush=True)
+        if throughout:
+            whole_after, hits_after = failover_seconds(cluster, store, every, victim)
+            after.append(max(0.0, hits_after - whole_after))
+        else:
+            whole = kill_and_wait(cluster, victim)
+            while [store.lookup(tokens) for tokens in every] != [40] * len(every):
+                if time.monotonic() - whole > 30:
+                    raise RuntimeError(f"synced repetition {repetition + 1}: no full hits within 30 s of whole")
+                time.sleep(0.02)
+            after.append(time.monotonic() - whole)
+        print(f"synced{' (asking throughout)' if throughout else ''} {repetition + 1}: hits {after[-1]:.2f} s after "
+              f"whole", flush=True)
         cluster.restart(victim)
     store.close()
     return after
@@ -178,7 +164,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvgroups-failover-") as directory:
         with running_cluster(Path(directory) / "synced", settings=settings) as cluster:
             after = synced(cluster, args.repetitions)
-            throughout = asking(cluster, args.repetitions)
+            throughout = synced(cluster, args.repetitions, throughout=True)
         with running_cluster(Path(directory) / "unsynced", settings=settings) as cluster:
             counts = unsynced(cluster, args.repetitions)
             plain_seconds, wait_seconds = save_cost(cluster)
