@@ -157,8 +157,9 @@ class KVTransfer:
         a temporary buffer is). With ``synchronize=False`` copies to another device may still run on the
         current stream when this returns: the caller records an event there and waits for it before
         reading ``out``. ``defer=True`` (with ``out``) checks and queues the copies; :meth:`launch` then
-        issues every queued pack in one launch per group. Everything is checked before any copy; the
-        caches are only read.
+        issues every queued pack of the calling thread in one launch per group, reading the slots then
+        (they were checked when queued: the caller leaves them unchanged until it launches). Everything
+        is checked before any copy; the caches are only read.
         """
         call = self._checks.call(slot_mapping, start, end, state_indices, distinct=False)
         shapes = self._shapes(call.num_tokens, call.num_states)
@@ -223,12 +224,13 @@ class KVTransfer:
 
         ``rows``, for token groups: the chunk row each slot takes (a NumPy int64 array as long as the
         slots, no row twice; a chunk may then hold any number of rows beyond the largest), else rows
-        0, 1, ... Slots outside
-        a group's cache, a slot named twice, and a chunk whose shape or dtype does not match its group
-        raise before anything is written. Writes go through the caches' own storage, also for permuted
-        (HND) views. With ``synchronize=False`` the copies may still run on the current stream when this
-        returns (GPU caches): the caller records an event there, and reports the caches written (or
-        refills pinned chunks) only once it completed. ``defer=True`` queues the copies for :meth:`launch`.
+        0, 1, ... Slots outside a group's cache, a slot named twice, and a chunk whose shape or dtype
+        does not match its group raise before anything is written. Writes go through the caches' own
+        storage, also for permuted (HND) views. With ``synchronize=False`` the copies may still run on
+        the current stream when this returns (GPU caches): the caller records an event there, and
+        reports the caches written (or refills pinned chunks) only once it completed. ``defer=True``
+        queues the copies for :meth:`launch`; as with a deferred pack, the slots, rows and chunks are
+        read when it launches, and must not change before.
         """
         call = self._checks.call(slot_mapping, start, end, state_indices, distinct=True)
         chunk_list = list(chunks) if isinstance(chunks, Sequence) else None
@@ -276,6 +278,7 @@ class KVTransfer:
         finally:
             pending.clear()
         return Launched(self.device, leases, asynchronous=False)
+
     @property
     def addresses_pinned_chunks(self) -> bool:
         """Whether every group's kernel reads and writes chunks in pinned host memory itself (no staging)."""

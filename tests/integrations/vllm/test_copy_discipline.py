@@ -21,6 +21,7 @@ from kvgroups.datapath.streams import DONE, CopyStream
 from kvgroups.integrations.vllm import KVGroupsConnector
 from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata
+from kvgroups.transfer import KVTransfer
 from tests.integrations.vllm.harness import (
     ENGINE_LAYOUT,
     FakeWorker,
@@ -260,3 +261,61 @@ def test_a_step_of_several_requests_launches_once_per_group_and_direction(
                 assert torch.equal(loading.caches[name][target].view(torch.uint8),  # random bytes: NaNs among them
                                    saving.caches[name][source].view(torch.uint8)), (
                     plan.request_id, group, block, source, target)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton missing")
+def test_a_launch_that_fails_costs_its_saves_and_loads_never_the_engine(
+        gemma3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver error launching one group's copies: that step's chunks are not written (a chunk's entries go
+    together, and that group's buffers were never filled), and a step's loads all fail (vLLM recomputes them);
+    the engine goes on, and the next steps copy as before."""
+    monkeypatch.setenv("KVGROUPS_KERNEL", "triton")
+    extra = {"store": f"file://{tmp_path}/kv", "chunk_size": CHUNK}
+    kv = cache_config(["sliding", "full"])
+    config = vllm_config(gemma3_dir, extra)
+    saving, planning, loading = (FakeWorker(config, kv, layout=ENGINE_LAYOUT, seed=seed) for seed in (0, 1, 2))
+    broken = {"on": True}
+
+    def failing(transfer: KVTransfer) -> None:
+        copier = transfer._copiers[0]
+        real = copier.launch  # type: ignore[union-attr]
+
+        def launch(*arguments: Any) -> None:
+            if broken["on"]:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            real(*arguments)
+        copier.launch = launch  # type: ignore[union-attr]
+
+    failing(saving.side.transfers[1])  # the full group's saves
+    harness = SchedulerHarness(config, kv)
+    harness.add("fill", prompt(100))
+    harness.step(saving)  # the engine goes on
+    saving.side.flush()
+    store = saving.side.store
+    assert store is not None
+    assert list(store.store.iter_keys()) == []  # nothing of the step: no entry of unfilled buffers
+    broken["on"] = False
+    harness.run(saving)
+
+    # The next prompt is saved whole; then one group's load copies fail.
+    other = SchedulerHarness(config, kv)
+    other.add("fill-2", prompt(100, seed=1))
+    other.run(saving)
+    assert all(store.store.contains(store.entry_key(key, 1)) for key in store.keys(prompt(100, seed=1)))
+    reuse = SchedulerHarness(config, kv)
+    reuse.add("reuse", prompt(100, seed=1))
+    plan = None
+    for _ in range(200):
+        plans = reuse.step(planning).metadata.loads
+        if plans:
+            plan = plans[0]
+            break
+        time.sleep(0.005)
+    assert plan is not None and plan.num_tokens == 96
+    failing(loading.side.transfers[1])
+    broken["on"] = True
+    loading.side.load(KVGroupsConnectorMetadata(loads=[replace(plan, asynchronous=False)]))
+    assert loading.side.take_load_errors()  # vLLM recomputes the blocks it would have read
+    broken["on"] = False
+    loading.side.load(KVGroupsConnectorMetadata(loads=[replace(plan, asynchronous=False)]))
+    assert loading.side.take_load_errors() == set()

@@ -93,13 +93,20 @@ class WorkerSaves:
                     self._queue_saves(plan, queued)
                 except Exception:  # a save that fails costs a later miss, never this request
                     logger.exception("request %s: saving chunks %s failed", plan.request_id, list(plan.chunks))
-            launched = [transfer.launch(scatter=False) for transfer in self.transfers]
+            launched, unlaunched = [], set()
+            for member, transfer in enumerate(self.transfers):
+                try:
+                    launched.append(transfer.launch(scatter=False))
+                except Exception:  # a copy that cannot be launched fails its saves, never the engine
+                    logger.exception("saving %d chunks: group %d's copies could not be launched", len(queued), member)
+                    unlaunched.add(member)
             copies = self.save_stream.record()
         for each in launched:
             each.release_after(copies)
         store = bound(self.store)
         for save in queued:
-            if save.failed:  # its buffers may still be written by this step's copies
+            # A save that failed, or lost a group's copies: its buffers may still be written by this step's copies.
+            if save.failed or unlaunched.intersection(save.tensors):
                 self._held.append((save.buffers, copies))
                 continue
             # The writer waits for the copies before it encodes the buffers.

@@ -55,6 +55,14 @@ IDLE_WAIT_SECONDS = 0.05
 READ_BUFFER_BYTES = 64 << 20
 MAX_READ_BUFFERS = 64
 
+class _LaunchFailedError(RuntimeError):
+    """Copies of a load could not be launched; ``copies`` ends those that were."""
+
+    def __init__(self, copies: Completion, message: str) -> None:
+        super().__init__(f"copies could not be launched ({message})")
+        self.copies = copies
+
+
 class WorkerSide(WorkerSaves):
     """One worker's caches bound to its rank's chunk store."""
 
@@ -201,18 +209,25 @@ class WorkerSide(WorkerSaves):
 
     def _launch(self, plans: list[LoadPlan], transfers: list[KVTransfer],
                 buffers: ReadBuffers) -> tuple[set[str], Completion]:
-        """Restore ``plans`` on the load stream: the requests whose every entry was there, and the end of the
-        copies (also of a failed load's, which may have written some blocks before it failed)."""
+        """Restore ``plans`` on the load stream: the requests whose every entry was there and copied, and the end
+        of the copies (also of a failed load's, which may have written some blocks before it failed). A launch
+        that fails fails every plan of the call (which of them it held is not known)."""
         loaded = set()
+        launches_failed = False
         with self.load_stream.launching():
             for plan in plans:
                 try:
                     if self._restore(plan, transfers, buffers):
                         loaded.add(plan.request_id)
-                except Exception:  # a load must never take the engine down: vLLM recomputes what failed
+                except Exception as error:  # a load must never take the engine down: vLLM recomputes what failed
+                    launches_failed |= isinstance(error, _LaunchFailedError)
                     logger.exception("request %s: restoring %d tokens failed", plan.request_id, plan.num_tokens)
-            copies = self._launch_queued(transfers, buffers)
-        return loaded, copies
+            try:
+                copies = self._launch_queued(transfers, buffers)
+            except _LaunchFailedError as error:
+                logger.error("restoring %d requests failed: %s", len(plans), error)
+                copies, launches_failed = error.copies, True
+        return (set() if launches_failed else loaded), copies
 
     def _launch_one(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> tuple[bool, Completion]:
         """An asynchronous load's job: whether ``plan`` was restored whole, and the end of its copies."""
@@ -220,12 +235,20 @@ class WorkerSide(WorkerSaves):
         return plan.request_id in loaded, copies
 
     def _launch_queued(self, transfers: list[KVTransfer], buffers: ReadBuffers) -> Completion:
-        """Copy every entry queued out of ``buffers``: one launch per group, one event."""
-        launched = [transfer.launch(scatter=True) for transfer in transfers]
+        """Copy every entry queued out of ``buffers``: one launch per group, one event; raises
+        :class:`_LaunchFailedError` (after every group's queue is launched or dropped) when one failed."""
+        launched, failed = [], []
+        for member, transfer in enumerate(transfers):
+            try:
+                launched.append(transfer.launch(scatter=True))
+            except Exception as error:  # that group's queue is dropped; the others still launch
+                failed.append(f"group {member}: {type(error).__name__}: {error}")
         copies = self.load_stream.record()
         for each in launched:
             each.release_after(copies)
         buffers.launched(copies)
+        if failed:
+            raise _LaunchFailedError(copies, "; ".join(failed))
         return copies
 
     def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
