@@ -27,7 +27,7 @@ class CallChecks:
         self._token_groups = [group for group in groups if group.token_indexed]
         self._recurrent = [index for index, group in enumerate(groups) if not group.token_indexed]
         # Slots of every token group must fall below the smallest one's capacity.
-        self._slot_limit = min((group.geometry.num_slots for group in self._token_groups), default=0)
+        self.slot_limit = min((group.geometry.num_slots for group in self._token_groups), default=0)
         self._local = threading.local()  # reused arrays, per thread (loads run on several)
 
     def rows(self, rows: Any, num_tokens: int) -> int:
@@ -86,7 +86,7 @@ class CallChecks:
         # NumPy answers these questions on a few hundred slots in microseconds, torch in tens of them.
         if values.size:
             # One reduction for both bounds: read as unsigned, a negative slot is beyond every limit.
-            if int(values.view(np.uint64).max()) >= self._slot_limit:
+            if int(values.view(np.uint64).max()) >= self.slot_limit:
                 self._raise_out_of_range(values)
             if distinct and self._repeats(values):
                 ordered = np.sort(values)
@@ -135,9 +135,11 @@ class CallChecks:
             indices = state_indices.detach().cpu().numpy().astype(np.int64).reshape(-1)
         else:
             indices = np.asarray(state_indices, dtype=np.int64).reshape(-1)
+        # One reduction for both bounds (a negative index read as unsigned is beyond every group's slots).
+        largest = int(indices.view(np.uint64).max()) if indices.size else -1
         for index in self._recurrent:
             slots = self.groups[index].num_blocks
-            if indices.size and int(indices.view(np.uint64).max()) >= slots:
+            if largest >= slots:
                 bad = indices[(indices < 0) | (indices >= slots)]
                 raise SlotMappingError(f"state_indices {bad.tolist()} outside group {index}'s [0, {slots}) state slots")
         if distinct and indices.size > 1 and np.unique(indices).size != indices.size:

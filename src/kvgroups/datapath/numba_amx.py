@@ -90,11 +90,11 @@ class NumbaAmxCopier:
         self.bases = table.bases.numpy()
 
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
-        if call.cpu_slots is None or not call.num_tokens:
+        if call.slot_values is None or not call.num_tokens:
             return
         check_still_bound(self.table)
         table = self.table
-        arguments = (self.bases, chunk.data_ptr(), call.num_tokens, call.cpu_slots.numpy(), table.block_size,
+        arguments = (self.bases, chunk.data_ptr(), call.num_tokens, call.slot_values, table.block_size,
                      table.block_stride, table.head_stride, table.num_heads, table.head_size, scatter)
         threads = self.num_threads or torch.get_num_threads()
         if threads > 1 and chunk.numel() * chunk.element_size() >= numba_copy.PARALLEL_MIN_BYTES:

@@ -99,10 +99,10 @@ class NumbaTokenCopier:
         ]
 
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
-        if call.cpu_slots is None or not call.num_tokens:
+        slots = call.slot_values
+        if slots is None or not slots.size:
             return
         num_bytes = chunk.numel() * chunk.element_size()
-        slots = call.cpu_slots.numpy()
         check_still_bound(self.tables[0])  # every table of a group addresses the same tensors
         for index, table in enumerate(self.tables):
             self.launch(index, slots, chunk.data_ptr() + table.chunk_offset(call.num_tokens), num_bytes, scatter,
@@ -153,10 +153,10 @@ class NumbaStateCopier:
                                                           table.columns, table.layers))
 
     def copy(self, chunk: torch.Tensor, call: CallSlots, scatter: bool) -> None:
-        if call.state_indices is None or not call.num_states:
+        if call.state_values is None or not call.num_states:
             return
         check_still_bound(self.table)
-        _copy_states(*self.arrays, chunk.data_ptr(), self.table.row_bytes, call.state_indices.numpy(), scatter)
+        _copy_states(*self.arrays, chunk.data_ptr(), self.table.row_bytes, call.state_values, scatter)
 
 
 def warm_up() -> None:

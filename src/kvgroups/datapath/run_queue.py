@@ -128,7 +128,6 @@ def launch(kernel: Any, grid: tuple[int, int, int], arguments: tuple[Any, ...], 
 class RunCopier:
     """What both kinds of run copier share: a ring per copier, a queue per direction, one launch per queue."""
 
-    kernel: Any
     params: torch.Tensor
     word_bytes: int
 
@@ -140,7 +139,6 @@ class RunCopier:
         self._ring_lock = threading.Lock()
         self._local = threading.local()  # each thread's queues: loads run on several threads at once
         self.launch: Launch = launch
-        self.launches = 0  # launches issued so far (several only for more than max_runs runs)
 
     def queue(self, scatter: bool) -> RunQueue:
         """The calling thread's queue of one direction."""
@@ -163,7 +161,6 @@ class RunCopier:
         word = min(self.word_bytes, queue.alignment)
         try:
             for first in range(lease.start, lease.end, self.max_runs):
-                self.launches += 1
                 self.launch_runs(first, min(self.max_runs, lease.end - first), queue.longest_run, word, scatter)
         except BaseException:
             # What was launched may still read the runs: wait for it, so that the ring never holds a lease

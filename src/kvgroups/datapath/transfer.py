@@ -124,7 +124,6 @@ class KVTransfer:
         self.lockstep: list[str] = [getattr(copier, "lockstep", "") for copier in self._copiers]
         self._pool = ChunkPool(self.device)
         self._checks = CallChecks(self.groups, self.device)
-        self._slot_limit = min((group.geometry.num_slots for group in self.groups if group.token_indexed), default=0)
         # Per group, its copier where it queues runs for one launch (the Triton kernels), else None.
         self._run_copiers: list[RunCopier | None] = [
             copier if isinstance(copier, RunCopier) else None for copier in self._copiers]
@@ -295,8 +294,8 @@ class KVTransfer:
         save or load compiles nothing: the first slots (and state slot) of every group are copied out
         and written back, their bytes unchanged. Run it before the caches hold anything of value."""
         slots = None
-        if self._slot_limit:
-            slots = torch.arange(min(16, self._slot_limit), dtype=torch.int64)
+        if self._checks.slot_limit:
+            slots = torch.arange(min(16, self._checks.slot_limit), dtype=torch.int64)
         states = [0] if any(not group.token_indexed for group in self.groups) else None
         chunks = self.pack(slots, state_indices=states)
         self.unpack(chunks, slots, state_indices=states)

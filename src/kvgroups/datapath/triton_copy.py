@@ -104,7 +104,6 @@ class TritonTokenCopier(RunCopier):
     def __init__(self, tables: tuple[TokenTable, ...], block_size: int) -> None:
         super().__init__(tables[0].tensors[0].device, block_size, MAX_GRID_RUNS)
         self.tables = tables
-        self.block_size = block_size
         chunk_rows = {table.chunk_row_bytes for table in tables}
         assert len(chunk_rows) == 1, "a group's tables share their chunk rows"
         self.chunk_row_bytes = chunk_rows.pop()

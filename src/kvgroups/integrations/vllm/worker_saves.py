@@ -24,6 +24,7 @@ from kvgroups.store.metrics.counters import DROP_NO_BUFFER
 if TYPE_CHECKING:
     from kvgroups.core.cache_specs import LayerCacheSpec
     from kvgroups.datapath.buffers import HostBufferPool
+    from kvgroups.datapath.descriptors import Launched
     from kvgroups.datapath.transfer import KVTransfer
     from kvgroups.integrations.vllm.deployment import Deployment
     from kvgroups.integrations.vllm.engine_groups import EngineGroup
@@ -51,6 +52,23 @@ class _QueuedSave:
     buffers: list[torch.Tensor]
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     failed: bool = False
+
+
+def launch_groups(transfers: list[KVTransfer], stream: CopyStream, *,
+                  scatter: bool) -> tuple[Completion, dict[int, Exception]]:
+    """Launch every group's queued copies of one direction (inside ``stream.launching()``), then one event: that
+    event, and the groups whose launch failed, with the error (their queues dropped, the others launched)."""
+    launched: list[Launched] = []
+    failed: dict[int, Exception] = {}
+    for member, transfer in enumerate(transfers):
+        try:
+            launched.append(transfer.launch(scatter=scatter))
+        except Exception as error:  # whatever the driver raised fails this group's copies alone
+            failed[member] = error
+    copies = stream.record()
+    for each in launched:
+        each.release_after(copies)
+    return copies, failed
 
 
 class WorkerSaves:
@@ -93,20 +111,14 @@ class WorkerSaves:
                     self._queue_saves(plan, queued)
                 except Exception:  # a save that fails costs a later miss, never this request
                     logger.exception("request %s: saving chunks %s failed", plan.request_id, list(plan.chunks))
-            launched, unlaunched = [], set()
-            for member, transfer in enumerate(self.transfers):
-                try:
-                    launched.append(transfer.launch(scatter=False))
-                except Exception:  # a copy that cannot be launched fails its saves, never the engine
-                    logger.exception("saving %d chunks: group %d's copies could not be launched", len(queued), member)
-                    unlaunched.add(member)
-            copies = self.save_stream.record()
-        for each in launched:
-            each.release_after(copies)
+            copies, unlaunched = launch_groups(self.transfers, self.save_stream, scatter=False)
+        for member, error in unlaunched.items():  # a copy that cannot be launched fails its saves, never the engine
+            logger.error("saving %d chunks: group %d's copies could not be launched", len(queued), member,
+                         exc_info=error)
         store = bound(self.store)
         for save in queued:
             # A save that failed, or lost a group's copies: its buffers may still be written by this step's copies.
-            if save.failed or unlaunched.intersection(save.tensors):
+            if save.failed or unlaunched.keys() & save.tensors.keys():
                 self._held.append((save.buffers, copies))
                 continue
             # The writer waits for the copies before it encodes the buffers.

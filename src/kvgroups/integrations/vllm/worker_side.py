@@ -41,7 +41,7 @@ from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, chunk_slots
 from kvgroups.integrations.vllm.stats import StatsReporter
-from kvgroups.integrations.vllm.worker_saves import WorkerSaves, bound
+from kvgroups.integrations.vllm.worker_saves import WorkerSaves, bound, launch_groups
 from kvgroups.store.chunks.chunk_store import KVChunkStore
 from kvgroups.store.chunks.entry_reads import EntryReader
 
@@ -237,18 +237,11 @@ class WorkerSide(WorkerSaves):
     def _launch_queued(self, transfers: list[KVTransfer], buffers: ReadBuffers) -> Completion:
         """Copy every entry queued out of ``buffers``: one launch per group, one event; raises
         :class:`_LaunchFailedError` (after every group's queue is launched or dropped) when one failed."""
-        launched, failed = [], []
-        for member, transfer in enumerate(transfers):
-            try:
-                launched.append(transfer.launch(scatter=True))
-            except Exception as error:  # that group's queue is dropped; the others still launch
-                failed.append(f"group {member}: {type(error).__name__}: {error}")
-        copies = self.load_stream.record()
-        for each in launched:
-            each.release_after(copies)
+        copies, failed = launch_groups(transfers, self.load_stream, scatter=True)
         buffers.launched(copies)
         if failed:
-            raise _LaunchFailedError(copies, "; ".join(failed))
+            raise _LaunchFailedError(copies, "; ".join(f"group {member}: {type(error).__name__}: {error}"
+                                                       for member, error in failed.items()))
         return copies
 
     def _restore(self, plan: LoadPlan, transfers: list[KVTransfer], buffers: ReadBuffers) -> bool:
