@@ -120,11 +120,11 @@ $(SGLANG_VENV)/.installed: pyproject.toml tests/integrations/sglang/cpu_requirem
 	$(SGLANG_PIP) $(LOCK_SGLANG) -e '.[test]'
 	touch $@
 
-test-sglang: $(SGLANG_VENV)/.installed redis-server
+test-sglang: $(SGLANG_VENV)/.installed redis-server mooncake-libs
 	$(call KERNEL_CACHES,$(SGLANG_VENV)) $(SGLANG_VENV)/bin/pytest $(XDIST) --durations=4 tests/integrations/sglang
 
 .PHONY: setup demo test test-lint test-main test-vllm test-vllm-engines test-soak $(SCHEDULER_VLLM:%=test-vllm%) \
-	test-sglang test-transformers-oldest test-latest lock bench soak redis-server gpu-check
+	test-sglang test-transformers-oldest test-latest lock bench soak redis-server mooncake-libs gpu-check
 setup: $(VENV)/.installed
 
 # The Redis tier is tested against real servers and clusters: Debian's redis-server package (a
@@ -137,6 +137,12 @@ redis-server:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools \
 			openssl >/dev/null)
 
+# The Mooncake tier's client loads the RDMA and NUMA libraries even for TCP (Debian's packages, where missing).
+mooncake-libs:
+	@(ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q librdmacm.so.1 && \
+		ldconfig -p | grep -q libnuma.so.1) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null)
+
 demo: $(VENV)/.installed-demo
 	$(BIN)/python examples/prefix_reuse_demo.py
 
@@ -144,14 +150,14 @@ demo: $(VENV)/.installed-demo
 # order are tests/support/stages.py's, which runs each as the target of its name here and prints their times.
 TEST_ENVIRONMENTS := $(VENV)/.installed $(VENV)/transformers-$(TRANSFORMERS_OLDEST)/.installed $(VLLM_VENV)/.installed \
 	$(VLLM033_VENV)/.installed $(VLLM034_VENV)/.installed $(SGLANG_VENV)/.installed
-test: $(TEST_ENVIRONMENTS) redis-server
+test: $(TEST_ENVIRONMENTS) redis-server mooncake-libs
 	python3 tests/support/stages.py --make "$(MAKE)"
 
 test-lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test-main: $(VENV)/.installed redis-server
+test-main: $(VENV)/.installed redis-server mooncake-libs
 	$(call KERNEL_CACHES,$(VENV)) $(BIN)/pytest $(XDIST) --durations=8
 
 # The reuse suite on the oldest transformers the extra admits (verified too: its hits are served unchecked).
@@ -182,7 +188,7 @@ lock:
 # of 10-100 s each hold most of its time); then the soak's quick version alone (two servers and a cluster want
 # both cores).
 test-vllm: test-vllm-engines test-soak
-test-vllm-engines: $(VLLM_VENV)/.installed redis-server
+test-vllm-engines: $(VLLM_VENV)/.installed redis-server mooncake-libs
 	$(call KERNEL_CACHES,$(VLLM_VENV)) $(VLLM_BIN)/pytest $(XDIST) --durations=8 tests/integrations/vllm \
 		--ignore=tests/integrations/vllm/test_soak.py
 test-soak: $(VLLM_VENV)/.installed redis-server
@@ -211,7 +217,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 
 # Every benchmark; one that could not measure a variant prints a row saying why and exits 1.
 bench: $(VENV)/.installed-bench $(VLLM_VENV)/.installed $(VLLM034_VENV)/.installed $(SGLANG_VENV)/.installed \
-		redis-server
+		redis-server mooncake-libs
 	$(BIN)/python -m benchmarks.core.groups
 	$(BIN)/python -m benchmarks.datapath.transfer
 	$(BIN)/python -m benchmarks.store.tiers

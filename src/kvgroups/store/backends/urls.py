@@ -6,7 +6,10 @@
 - ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS), ``unix:///path.sock?db=0``:
   :class:`~kvgroups.store.backends.redis.store.RedisStore`, options in :mod:`kvgroups.store.backends.redis.settings`;
 - ``redis-cluster://host:port[,host:port...]/``, ``rediss-cluster://...``: a Valkey/Redis Cluster,
-  :class:`~kvgroups.store.backends.redis.cluster.RedisClusterStore`.
+  :class:`~kvgroups.store.backends.redis.cluster.RedisClusterStore`;
+- ``mooncake://master:port?metadata=...&segment=1GiB``: a Mooncake Store pool,
+  :class:`~kvgroups.store.backends.mooncake.store.MooncakeStore`, options in
+  :mod:`kvgroups.store.backends.mooncake.settings`.
 
 Sizes take a unit (``512MiB``, ``8GiB``). A bad URL or option is an error naming it; a password
 in a URL is never shown (``***``).
@@ -23,6 +26,7 @@ from kvgroups.store.backends.base import ByteStore
 from kvgroups.store.backends.files.store import FileStore
 from kvgroups.store.backends.memory import DEFAULT_MAX_BYTES as MEMORY_MAX_BYTES
 from kvgroups.store.backends.memory import MemoryStore
+from kvgroups.store.backends.mooncake.settings import parse_mooncake_url
 from kvgroups.store.backends.redis.settings import parse_redis_url
 from kvgroups.store.backends.tiered import TieredStore
 from kvgroups.store.backends.url_parts import mask_url, url_options
@@ -59,9 +63,16 @@ def _redis_cluster(url: str, path: str, query: str, create: bool) -> ByteStore:
     return RedisClusterStore(parse_redis_url(url))
 
 
+def _mooncake(url: str, path: str, query: str, create: bool) -> ByteStore:
+    settings = parse_mooncake_url(url)  # checked before the optional client loads
+    from kvgroups.store.backends.mooncake.store import MooncakeStore  # noqa: PLC0415 - loads the optional client
+
+    return MooncakeStore(settings)
+
+
 _OPENERS: Mapping[str, Opener] = {
     "memory": _memory, "file": _file, "redis": _redis, "rediss": _redis, "unix": _redis,
-    "redis-cluster": _redis_cluster, "rediss-cluster": _redis_cluster,
+    "redis-cluster": _redis_cluster, "rediss-cluster": _redis_cluster, "mooncake": _mooncake,
 }
 
 
@@ -70,9 +81,9 @@ def open_store(url: StoreArg, *, create: bool = True) -> ByteStore:
 
     Args:
         url: ``memory://``, ``file:///dir``, ``redis://host:port/db``, ``rediss://...``,
-            ``unix:///path.sock`` (options after ``?``, see the module docstring); a list of
-            them is a tiered store, fastest first (a list of one is that store); a
-            :class:`ByteStore` is returned as it is.
+            ``unix:///path.sock``, ``mooncake://master:port`` (options after ``?``, see the module
+            docstring); a list of them is a tiered store, fastest first (a list of one is that
+            store); a :class:`ByteStore` is returned as it is.
         create: False opens only stores that exist (a ``file://`` directory is not created).
 
     Returns:
