@@ -198,6 +198,29 @@ def test_vllm_serve_reuses_a_prefix_and_reports_it(tmp_path: Path, gemma3_dir: P
             assert shown.get(metric) == number, f"docs/metrics.md shows {line}; /metrics has {shown.get(metric)}"
 
 
+def test_two_servers_on_one_mooncake_pool_load_what_the_other_computed(tmp_path: Path, gemma3_dir: Path) -> None:
+    """Two ``vllm serve`` on one Mooncake Store (a master on loopback; each server's processes lend the pool
+    memory): a prompt the first computed is loaded by the second, whose answer is the one it computes itself
+    without reuse (under another cache salt)."""
+    from tests.support.mooncake import running_master
+
+    tokens = _tokens(5, 5 * CHUNK - 20)  # 4 full chunks and 44 tokens
+    with running_master(tmp_path / "master") as master:
+        store = master.url(segment="128MiB", timeout=10)
+        with served(gemma3_dir, store, tmp_path / "first.log") as first, \
+                served(gemma3_dir, store, tmp_path / "second.log") as second:
+            plain = complete(second, tokens, cache_salt="another-tenant")  # computed: the answer to match
+            assert complete(first, tokens)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            # 4 chunks an entry per group, under each of the two salts.
+            wait_until(lambda: len(master.stored_keys()) >= 2 * 4 * 2, "the pool holding both prompts' chunks")
+            reused = complete(second, tokens)
+            lines = kvgroups_lines(second)
+    assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * CHUNK
+    assert reused["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert value(lines, "vllm:kvgroups_tier_hit_tokens_total", tier="mooncake") == 4 * CHUNK
+    assert value(lines, "vllm:kvgroups_loaded_tokens_total") == 4 * CHUNK
+
+
 @pytest.mark.parametrize("kind", ["qwen3_next"])
 def test_two_servers_share_a_hybrids_states_under_vllms_defaults(kind: str, tmp_path: Path) -> None:
     """A hybrid (gated DeltaNet, or Mamba-2, beside full attention) under `vllm serve` with vLLM's defaults: the
