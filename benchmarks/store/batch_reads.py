@@ -9,7 +9,10 @@ values per second / redis-benchmark's requests per second in the same round.
 
 ``--compare SRC`` also times the kvgroups of another source tree (a checkout of the base commit:
 ``--compare /work/base/src``) in the same rounds. Every kvgroups variant reads in a worker process of
-its own (``--worker``), started once, so that each is timed alike.
+its own (``--worker``), started once, so that each is timed alike. A batch's buffers are new memory
+(``get_many`` hands them to the caller): where glibc gives the top of its heap back to the kernel after
+every batch, faulting them in again costs about as much as reading them on a VM. ``--keep-heap`` runs
+the workers with glibc told to keep it (``MALLOC_TRIM_THRESHOLD_``), timing the reads alone.
 """
 
 from __future__ import annotations
@@ -61,9 +64,11 @@ def worker(url: str, batch: int, size: int) -> None:
 class Worker:
     """A worker process reading with the kvgroups of ``source`` (a ``src`` directory)."""
 
-    def __init__(self, source: Path, url: str, batch: int, size: int) -> None:
+    def __init__(self, source: Path, url: str, batch: int, size: int, keep_heap: bool) -> None:
         root = Path(__file__).resolve().parents[2]
         environment = {**os.environ, "PYTHONPATH": f"{source}:{root}"}
+        if keep_heap:
+            environment.update(MALLOC_MMAP_THRESHOLD_=str(64 * MIB), MALLOC_TRIM_THRESHOLD_=str(1 << 30))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.store.batch_reads", "--worker", url, str(batch), str(size)],
             cwd=root, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -94,10 +99,11 @@ def redis_benchmark(port: int, op: str, size: int, requests: int, connections: i
     return float(rates[-1])
 
 
-def shape_rows(port: int, url: str, sources: dict[str, Path], batch: int, size: int, rounds: int) -> list[str]:
+def shape_rows(port: int, url: str, sources: dict[str, Path], batch: int, size: int, rounds: int,
+               keep_heap: bool) -> list[str]:
     values = max(batch, BYTES_PER_MEASUREMENT // size)
     batches = max(1, values // batch)
-    workers = {name: Worker(source, url, batch, size) for name, source in sources.items()}
+    workers = {name: Worker(source, url, batch, size, keep_heap) for name, source in sources.items()}
     anchors = {connections: f"redis-benchmark -P {PIPELINE} -c {connections}" for connections in (1, 4)}
     rates: dict[str, list[float]] = {name: [] for name in [*workers, *anchors.values()]}
     try:
@@ -131,11 +137,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds counted (one more warms up)")
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="another tree's src directory whose kvgroups is timed too (repeatable)")
+    parser.add_argument("--keep-heap", action="store_true", help="workers' glibc keeps freed memory (see above)")
     parser.add_argument("--worker", nargs=3, metavar=("URL", "BATCH", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), int(args.worker[2]))
         return
+    print(f"kvgroups workers' heap: {'kept (MALLOC_TRIM_THRESHOLD_)' if args.keep_heap else 'as glibc keeps it'}\n")
     print("| batch | client | values/s | GiB/s | vs redis-benchmark -P 16 -c 1 | vs -P 16 -c 4 |")
     print("|---|---|---|---|---|---|")
     if shutil.which("redis-benchmark") is None or installed_server() is None:
@@ -147,7 +155,7 @@ def main() -> None:
     sources.update({f"kvgroups get_many ({source.resolve().parent.name})": source for source in args.compare})
     with tempfile.TemporaryDirectory() as root, running_server(Path(root) / "server") as server:
         for batch, size in SHAPES:
-            for line in shape_rows(server.port, server.url, sources, batch, size, args.rounds):
+            for line in shape_rows(server.port, server.url, sources, batch, size, args.rounds, args.keep_heap):
                 print(line, flush=True)
     UNMEASURED.exit()
 

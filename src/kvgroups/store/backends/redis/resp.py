@@ -17,8 +17,9 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-# What one read off a connection takes at most: reply headers, and small values several at a time.
-_READ_BYTES = 256 << 10
+# What one read off a connection takes at most: reply headers, and small values several at a time (below
+# glibc's mmap threshold: a reader's buffer comes from the heap, not new pages).
+_READ_BYTES = 64 << 10
 # The rest of a value longer than this goes from the socket straight into its buffer, not through the reader's.
 _DIRECT_BYTES = 64 << 10
 # Bytes of replies a connection has asked for and not read yet, at most (a GETRANGE asks for its buffer's size):
