@@ -24,9 +24,10 @@ from typing import Any
 
 from kvgroups.store.backends.base import StoreError
 from kvgroups.store.backends.health import Backoff, RateLimitedLog
-from kvgroups.store.backends.redis.resp import RespError
+from kvgroups.store.backends.redis.resp import RespError, get_ranges
+from kvgroups.store.backends.redis.routes import SPREAD_BYTES, spread
 from kvgroups.store.backends.redis.settings import RedisSettings
-from kvgroups.store.backends.redis.store import RespStore, redis_module
+from kvgroups.store.backends.redis.store import PARALLEL_READS, RespStore, redis_module
 from kvgroups.store.backends.redis.value_parts import SCAN_COUNT, SCAN_MATCH, head_name, key_of
 
 # The topology is read again (in the background) at most this often while keys fall on a master left alone.
@@ -135,9 +136,11 @@ class RedisClusterStore(RespStore):
             time.sleep(0.01)
         return False
 
+    def _connection_for(self, name: bytes) -> contextlib.AbstractContextManager[Any]:
+        return self._connection_to(self._node(name))
+
     @contextlib.contextmanager
-    def _connection_for(self, name: bytes) -> Iterator[Any]:
-        node = self._node(name)
+    def _connection_to(self, node: Any) -> Iterator[Any]:
         pool = self._client.get_redis_connection(node).connection_pool
         connection = pool.get_connection()
         try:
@@ -153,21 +156,41 @@ class RedisClusterStore(RespStore):
             pool.release(connection)
 
     # --- the data path: a master that is down costs misses, not the others' hits -----------------------
-    # Each part of each value is one job on the workers (RespStore); a job whose master is down or
-    # fails reads nothing (a miss) or writes nothing (a value not saved: put_many raises once every
-    # value was tried, without backing the others off), and the failure backs that master off
-    # (recorded by _connection_for).
+    # A value is written on its master's connection, a batch's reads are pipelined on its masters' connections
+    # (each master's share spread over a few: RespStore); a master that is down, or fails, reads nothing (its
+    # keys are misses) or writes nothing (a value not saved: put_many raises once every value was tried,
+    # without backing the others off), and the failure backs that master off (recorded by _connection_to).
     def _set(self, layout: list[tuple[bytes, list[memoryview | bytes]]]) -> str | None:
         try:
             return super()._set(layout)
         except self._isolated as error:
             return f"{type(error).__name__}: {error}"
 
-    def _get_range(self, name: bytes, buffer: bytearray, start: int) -> int:
+    def _routes(self, names: list[bytes], sizes: list[int]) -> list[list[int]]:
+        """Each master's reads (none of a master that is backed off: misses), spread over its connections."""
+        by_node: dict[str, list[int]] = {}
+        for index, name in enumerate(names):
+            try:
+                by_node.setdefault(self._node(name).name, []).append(index)
+            except _NodeDownError:
+                continue
+        return [[indices[at] for at in run] for indices in by_node.values()
+                for run in spread([sizes[index] for index in indices], PARALLEL_READS, SPREAD_BYTES)]
+
+    def _read_on(self, reads: list[tuple[bytes, memoryview]]) -> list[int]:
+        """Misses where the master is down, or failed mid-read, or answered a read with an error (the
+        others' are read all the same); one that no longer holds the slot is backed off."""
         try:
-            return super()._get_range(name, buffer, start)
+            node = self._node(reads[0][0])
+            with self._connection_to(node) as connection:
+                replies = get_ranges(connection, reads)
         except self._isolated:
-            return 0
+            return [0] * len(reads)
+        moved = next((reply for reply in replies if isinstance(reply, RespError) and reply.message.startswith(
+            ("MOVED", "ASK", "CLUSTERDOWN"))), None)
+        if moved is not None:
+            self._node_failed(node.name, moved)
+        return [0 if isinstance(reply, RespError) else reply for reply in replies]
 
     # --- lookups, grouped per master ----------------------------------------------------------------
     def contains_many(self, keys: Sequence[str]) -> list[bool]:

@@ -31,7 +31,8 @@ from kvgroups.store.backends.base import (
     Value,
     check_value,
 )
-from kvgroups.store.backends.redis.resp import RespError, get_range, set_values
+from kvgroups.store.backends.redis.resp import RespError, get_range, get_ranges, set_values
+from kvgroups.store.backends.redis.routes import SPREAD_BYTES, spread
 from kvgroups.store.backends.redis.settings import RedisSettings
 from kvgroups.store.backends.redis.value_parts import (
     HEADER_BYTES,
@@ -51,8 +52,6 @@ _MAX_VALUE_SETTING = "proto-max-bulk-len"
 _DEFAULT_MAX_VALUE_BYTES = 512 * MIB
 # Connections a store moves values over at once (parts of one value, or several values).
 PARALLEL_READS = 4
-
-
 def redis_module() -> Any:
     try:
         import redis  # noqa: PLC0415 - an optional extra, loaded only for this tier
@@ -147,14 +146,14 @@ class RespStore(ByteStore):
 
     def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[Stored | None]:
         """Heads first (the header and the first part, into the value's buffer), then every other part
-        of every value at once; at most ``max_bytes + 1`` bytes of each (a value longer than any entry
-        is never read whole)."""
+        of every value, each round pipelined (:meth:`_read_ranges`); at most ``max_bytes + 1`` bytes of
+        each (a value longer than any entry is never read whole)."""
         first = HEADER_BYTES + PART_BYTES
         capacity = HEADER_BYTES + (max_bytes + 1 if max_bytes is not None else PART_BYTES)
         buffers = [bytearray(max(capacity, first) if max_bytes is None else capacity) for _ in keys]
-        heads = self._run("GET", [(self._get_range, head_name(key), buffer, 0)
-                                  for key, buffer in zip(keys, buffers, strict=True)])
-        jobs, wanted = [], []
+        heads = self._read_ranges([(head_name(key), buffer, 0) for key, buffer in zip(keys, buffers, strict=True)])
+        reads: list[tuple[bytes, bytearray, int]] = []
+        wanted = []
         for index, (key, length) in enumerate(zip(keys, heads, strict=True)):
             header = Header.unpack(buffers[index]) if length else None
             if header is None:  # absent; or not a value kvgroups wrote: its bytes, which no decoder takes
@@ -164,9 +163,9 @@ class RespStore(ByteStore):
             if HEADER_BYTES + want > len(buffers[index]):
                 buffers[index] = buffers[index][:length] + bytearray(HEADER_BYTES + want - length)
             wanted.append(want)
-            jobs += [(self._get_range, part_name(key, part), buffers[index],
-                      HEADER_BYTES + part * header.part_bytes) for part in range(1, -(-want // header.part_bytes))]
-        lengths = dict(zip(((job[1], job[3]) for job in jobs), self._run("GET", jobs), strict=True))
+            reads += [(part_name(key, part), buffers[index], HEADER_BYTES + part * header.part_bytes)
+                      for part in range(1, -(-want // header.part_bytes))]
+        lengths = dict(zip(((name, start) for name, _, start in reads), self._read_ranges(reads), strict=True))
         values: list[Stored | None] = []
         for index, (key, want) in enumerate(zip(keys, wanted, strict=True)):
             if want <= 0:
@@ -182,16 +181,42 @@ class RespStore(ByteStore):
             values.append(memoryview(buffers[index])[HEADER_BYTES:HEADER_BYTES + want] if got == expected else None)
         return values
 
-    def _get_range(self, name: bytes, buffer: bytearray, start: int) -> int:
-        """Server key ``name`` (a head: header and first part; or a part) into ``buffer`` from ``start``,
-        as much as fits; how many bytes it held."""
-        size = HEADER_BYTES + PART_BYTES if start == 0 else PART_BYTES
-        with self._connection_for(name) as connection:
-            view = memoryview(buffer)
-            try:
-                return get_range(connection, name, 0, view[start:start + size])
-            finally:
+    def _read_ranges(self, reads: list[tuple[bytes, bytearray, int]]) -> list[int]:
+        """Each ``(name, buffer, start)``: server key ``name`` (a head: header and first part; or a part) into
+        ``buffer`` from ``start``, as much as fits; how many bytes each held. Every read of a connection is
+        asked before its first reply is read (a round trip per batch, not per value); the reads are spread
+        over connections (:meth:`_routes`), which move them at once."""
+        views = [memoryview(buffer)[start:start + (HEADER_BYTES + PART_BYTES if start == 0 else PART_BYTES)]
+                 for _, buffer, start in reads]
+        try:
+            routes = self._routes([name for name, _, _ in reads], [view.nbytes for view in views])
+            lengths = [0] * len(reads)
+            got = self._run("GET", [(self._read_on, [(reads[index][0], views[index]) for index in route])
+                                    for route in routes])
+            for route, route_lengths in zip(routes, got, strict=True):
+                for index, length in zip(route, route_lengths, strict=True):
+                    lengths[index] = length
+            return lengths
+        finally:
+            for view in views:
                 view.release()
+
+    def _routes(self, names: list[bytes], sizes: list[int]) -> list[list[int]]:
+        """Which reads go on one connection (indices into ``names``), each connection's reads in order: on one
+        server, runs of consecutive reads of about equal size (:func:`spread`)."""
+        return [list(run) for run in spread(sizes, PARALLEL_READS, SPREAD_BYTES)]
+
+    def _read_on(self, reads: list[tuple[bytes, memoryview]]) -> list[int]:
+        """``reads`` on one connection (to the server holding the first name), pipelined (:func:`get_ranges`);
+        raises the first error the server answered, once every reply was read."""
+        with self._connection_for(reads[0][0]) as connection:
+            replies = get_ranges(connection, reads)
+        lengths = []
+        for reply in replies:
+            if isinstance(reply, RespError):
+                raise reply
+            lengths.append(reply)
+        return lengths
 
     def _run(self, action: str, jobs: list[tuple[Any, ...]]) -> list[Any]:
         """Each ``(function, *arguments)``: on this thread when there is one, else on the workers."""
