@@ -31,6 +31,7 @@ from kvgroups.store.backends.base import (
     Value,
     check_value,
 )
+from kvgroups.store.backends.read_buffers import BufferPool
 from kvgroups.store.backends.redis.resp import RespError, get_range, get_ranges, set_values
 from kvgroups.store.backends.redis.routes import SPREAD_BYTES, spread
 from kvgroups.store.backends.redis.settings import RedisSettings
@@ -80,6 +81,7 @@ class RespStore(ByteStore):
         self._timeouts: tuple[type[BaseException], ...] = (redis.exceptions.TimeoutError, TimeoutError)
         self._max_value_bytes: int | None = None
         self._workers = ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="kvgroups-redis")
+        self._buffers = BufferPool()  # what batches are read into, used again once their values are dropped
 
     @abc.abstractmethod
     def _connection_for(self, name: bytes) -> contextlib.AbstractContextManager[Any]:
@@ -150,9 +152,11 @@ class RespStore(ByteStore):
         each (a value longer than any entry is never read whole)."""
         first = HEADER_BYTES + PART_BYTES
         capacity = HEADER_BYTES + (max_bytes + 1 if max_bytes is not None else PART_BYTES)
-        buffers = [bytearray(max(capacity, first) if max_bytes is None else capacity) for _ in keys]
+        size = max(capacity, first) if max_bytes is None else capacity
+        whole = memoryview(self._buffers.take(size * len(keys)).data).cast("B")
+        buffers = [whole[index * size:(index + 1) * size] for index in range(len(keys))]
         heads = self._read_ranges([(head_name(key), buffer, 0) for key, buffer in zip(keys, buffers, strict=True)])
-        reads: list[tuple[bytes, bytearray, int]] = []
+        reads: list[tuple[bytes, memoryview, int]] = []
         wanted = []
         for index, (key, length) in enumerate(zip(keys, heads, strict=True)):
             header = Header.unpack(buffers[index]) if length else None
@@ -160,8 +164,10 @@ class RespStore(ByteStore):
                 wanted.append(0 if not length else -length)
                 continue
             want = header.length if max_bytes is None else min(header.length, max_bytes + 1)
-            if HEADER_BYTES + want > len(buffers[index]):
-                buffers[index] = buffers[index][:length] + bytearray(HEADER_BYTES + want - length)
+            if HEADER_BYTES + want > len(buffers[index]):  # a whole read (no max_bytes) of a value over a part
+                grown = bytearray(HEADER_BYTES + want)
+                grown[:length] = buffers[index][:length]
+                buffers[index] = memoryview(grown)
             wanted.append(want)
             reads += [(part_name(key, part), buffers[index], HEADER_BYTES + part * header.part_bytes)
                       for part in range(1, -(-want // header.part_bytes))]
@@ -181,7 +187,7 @@ class RespStore(ByteStore):
             values.append(memoryview(buffers[index])[HEADER_BYTES:HEADER_BYTES + want] if got == expected else None)
         return values
 
-    def _read_ranges(self, reads: list[tuple[bytes, bytearray, int]]) -> list[int]:
+    def _read_ranges(self, reads: list[tuple[bytes, memoryview, int]]) -> list[int]:
         """Each ``(name, buffer, start)``: server key ``name`` (a head: header and first part; or a part) into
         ``buffer`` from ``start``, as much as fits; how many bytes each held. Every read of a connection is
         asked before its first reply is read (a round trip per batch, not per value); the reads are spread
