@@ -36,7 +36,7 @@ class Theirs:
     """Mooncake's own client: one registered buffer every batch is written from and read into."""
 
     def __init__(self, master: Any, nbytes: int) -> None:
-        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415 - the optional client
+        from mooncake.store import MooncakeDistributedStore
 
         self.client = MooncakeDistributedStore()
         code = self.client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", f"127.0.0.1:{master.rpc_port}")
@@ -96,7 +96,7 @@ def measured(client: Ours | Theirs, name: str, batch: int, size: int, batches: i
 
 
 def rows(rounds: int) -> list[str]:
-    from tests.support.mooncake import lending_client, running_master  # noqa: PLC0415 - the tests' master
+    from tests.support.mooncake import lending_client, running_master
 
     lines = []
     with tempfile.TemporaryDirectory() as directory, running_master(Path(directory) / "master") as master, \
@@ -130,7 +130,7 @@ def main() -> None:
     print("| batch | op | kvgroups mooncake:// GiB/s | Mooncake's client GiB/s | kvgroups vs Mooncake's client |")
     print("|---|---|---|---|---|")
     try:
-        import mooncake.store  # noqa: F401, PLC0415 - only to say why nothing was measured
+        import mooncake.store  # noqa: F401 - only to say why nothing was measured
     except ImportError as error:
         print(UNMEASURED.row("the Mooncake tier", f"Mooncake's client is not installed ({error})", columns=5))
         UNMEASURED.exit()

@@ -143,6 +143,14 @@ class ReadBuffers:
         self._copies[index].synchronize()
         return index, self._arrays[index]
 
+    def take_free(self, limit: int) -> list[tuple[int, np.ndarray]]:
+        """Up to ``limit`` buffers in turn (:meth:`take`), each at most once, stopping at one that holds an entry
+        whose copy is not launched yet: the buffers a batch of reads may fill at once."""
+        taken: list[tuple[int, np.ndarray]] = []
+        while len(taken) < min(limit, len(self._arrays)) and not self.all_queued():
+            taken.append(self.take())
+        return taken
+
     def queued(self, index: int) -> None:
         """Buffer ``index`` holds an entry whose copy is queued for the next launch."""
         self._queued.append(index)

@@ -117,6 +117,25 @@ def test_pages_one_backend_stores_another_reads_byte_for_byte(kind: str, layout:
     assert reader.stats.corrupt_entries == 0 and reader.stats.loaded_tokens == 4 * PAGE
 
 
+def test_a_batch_of_pages_is_read_in_one_store_call_on_a_real_server(tmp_path: Path,
+                                                                      request: pytest.FixtureRequest) -> None:
+    """SGLang's batch of pages is asked of the store at once (on Redis: every page's read sent before the first
+    reply is read), not page after page, and stops serving at the first miss."""
+    url = fresh_store("redis", tmp_path, request)
+    source, target = host_pool(seed=3), host_pool()
+    writer = backend(storage_config(url, interface_v1=True), source)
+    assert store_with_v1(writer, source, 0, HASHES[:4]) == [True] * 4
+    reader = backend(storage_config(url, interface_v1=True), target)
+    calls: list[int] = []
+    asked = reader.store.get_many
+    reader.store.get_many = lambda keys, max_bytes=None: calls.append(len(keys)) or asked(keys, max_bytes)
+    assert reader.batch_get_v1([*HASHES[:2], HASHES[5], HASHES[2]], host_indices(target, 0, 4)) == \
+        [True, True, False, False]
+    assert calls == [4]
+    assert [torch.equal(got, want) for got, want in zip(pages(target, 0, 2), pages(source, 0, 2), strict=True)] \
+        == [True, True]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
 def test_mla_pages_are_written_by_one_rank_and_read_by_every_rank(layout: str, interface_v1: bool,

@@ -245,7 +245,13 @@ def test_a_step_of_several_requests_launches_once_per_group_and_direction(
         assert len(blocks) == len(set(blocks))
     counted.clear()
     launches.clear()
+    byte_store = loading.side.store.store  # type: ignore[union-attr]
+    batches: list[int] = []
+    asked = byte_store.get_many_into
+    byte_store.get_many_into = lambda keys, buffers: batches.append(len(keys)) or asked(keys, buffers)  # type: ignore[method-assign]
     loading.side.load(KVGroupsConnectorMetadata(loads=[replace(plan, asynchronous=False) for plan in plans]))
+    # Each request's entries asked of the store in one batch (a server's round trip), not one call per entry.
+    assert len(batches) == len(plans) and all(count >= 2 for count in batches)
     assert sorted(counted) == [(0, True), (1, True)]
     assert [launch for launch in launches if launch[0] == "load"] == [
         ("load", engine, "launch"), ("load", engine, "record"), ("load", engine, "the engine waits")]

@@ -65,7 +65,7 @@ class PageStore:
         self._backoff = Backoff(f"sglang:{self.store.url}", self._log)
         self.stats = StoreMetrics(tier=self.store.tier_name, num_groups=1)
         self.recent: dict[str, list[float]] = {name: [] for name in RECENT}
-        self._buffers = threading.local()  # SGLang reads from several threads: a read buffer each
+        self._buffers = threading.local()  # SGLang writes from several threads: write slots each
         REGISTRY.add(self, self.stats)
         install_prometheus()
 
@@ -122,16 +122,23 @@ class PageStore:
 
     def read_pages(self, pool: PagePool, page_hashes: Sequence[str],
                    consume: Callable[[int, torch.Tensor], None]) -> list[bool]:
-        """Read the pages in order, each straight into a buffer this thread reuses, check it, and hand it to
-        ``consume`` (which copies it where it goes: the page's bytes are read once and copied once), until
-        the first that is missing or does not check out; which pages were consumed."""
+        """Read the pages, all asked of the store at once (one batch: a server's round trip, not one per page),
+        into a buffer of the read's own; check each in order and hand it to ``consume`` (which copies it where
+        it goes: the page's bytes are read once and copied once), until the first that is missing or does not
+        check out; which pages were consumed."""
         done = [False] * len(page_hashes)
         if not page_hashes or not self.available():
             return done
         started = time.perf_counter()
-        buffer = self._buffer(pool)
-        for index, page_hash in enumerate(page_hashes):
-            page = self._read_page(pool, self.store_key(page_hash, pool.name), buffer)
+        keys = [self.store_key(page_hash, pool.name) for page_hash in page_hashes]
+        max_bytes = self._info(pool, "").max_entry_bytes
+        try:
+            values = self.store.get_many(keys, max_bytes)
+        except Exception as error:  # a failed read is a miss
+            self._failed("load", error)
+            values = []
+        for index, (key, value) in enumerate(zip(keys, values, strict=False)):
+            page = self._checked_page(pool, key, value)
             if page is None:
                 break
             consume(index, page)
@@ -142,28 +149,21 @@ class PageStore:
         self._note("prefetch", served, pool, seconds)
         return done
 
-    def _buffer(self, pool: PagePool) -> memoryview:
-        """This thread's read buffer for ``pool``'s entries: one byte past the largest such entry."""
-        buffers: dict[str, memoryview] = self._buffers.__dict__.setdefault("by_pool", {})
-        size = self._info(pool, "").max_entry_bytes + 1
-        if pool.name not in buffers or buffers[pool.name].nbytes != size:
-            buffers[pool.name] = memoryview(bytearray(size))
-        return buffers[pool.name]
+    def _checked_page(self, pool: PagePool, key: str, value: Stored | None) -> torch.Tensor | None:
+        """The page ``value`` holds, checked, as a view of it; None when missing or when no copy checks out. A
+        copy that does not is counted and discarded, and where a later tier of a tier list holds another copy,
+        that one is read and checked in its place."""
+        info = self._info(pool, key)
 
-    def _read_page(self, pool: PagePool, key: str, buffer: memoryview) -> torch.Tensor | None:
-        """The page under ``key``, checked, as a view of ``buffer``; None when missing, unreadable or when no
-        copy checks out. A copy that does not is counted and discarded, and where a later tier of a tier
-        list holds another copy, that one is read and checked in its place."""
-        def read() -> Stored | None:
+        def read_again() -> Stored | None:
             try:
-                return self.store.get_into(key, buffer)
+                return self.store.get(key, info.max_entry_bytes)
             except Exception as error:  # a failed read is a miss
                 self._failed("load", error)
                 return None
 
-        info = self._info(pool, key)
-        found = first_good_copy(read(), info, secret=self.settings.secret, tries=len(self.store.tiers),
-                                discard=partial(self._discard, key, info.max_entry_bytes), read_again=read)
+        found = first_good_copy(value, info, secret=self.settings.secret, tries=len(self.store.tiers),
+                                discard=partial(self._discard, key, info.max_entry_bytes), read_again=read_again)
         return None if found is None else found[0]
 
     def _discard(self, key: str, max_bytes: int, error: CorruptEntryError, value: Stored) -> bool:

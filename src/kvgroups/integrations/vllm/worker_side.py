@@ -1,14 +1,15 @@
 """The connector's worker side: bind vLLM's registered caches, restore planned prefixes, save new chunks.
 
-A load reads each entry once, into one of the loading thread's reused buffers, checks it, and queues its
-copy into the request's blocks (:class:`~kvgroups.store.chunks.entry_reads.EntryReader`, then
-``KVTransfer.unpack(defer=True)``); the queued copies go in one launch per group once the buffers are full
-or the loads are read. Entries below vLLM's own prefix-cache hit are not read. Asynchronous loads run in
-background threads (:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs other requests, reported
-through ``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM recomputes the request
-under ``kv_load_failure_policy="recompute"``. Synchronous loads (all of a step's together) run in
-``start_load_kv``, before the forward that needs them; a failed one reports its blocks
-(``get_block_ids_with_load_errors``), which vLLM recomputes. Saves: :mod:`~kvgroups.integrations.vllm.worker_saves`.
+A load reads each entry once, into one of the loading thread's reused buffers (as many at once as its free
+buffers hold, one batch of the store: :mod:`~kvgroups.integrations.vllm.entry_windows`), checks it, and queues
+its copy into the request's blocks (``KVTransfer.unpack(defer=True)``); the queued copies go in one launch per
+group once the buffers are full or the loads are read. Entries below vLLM's own prefix-cache hit are not read.
+Asynchronous loads run in background threads (:mod:`~kvgroups.integrations.vllm.loads`) while the engine runs
+other requests, reported through ``get_transfer_results``: a failed one in ``failed_recving``, so that vLLM
+recomputes the request under ``kv_load_failure_policy="recompute"``. Synchronous loads (all of a step's
+together) run in ``start_load_kv``, before the forward that needs them; a failed one reports its blocks
+(``get_block_ids_with_load_errors``), which vLLM recomputes. Saves:
+:mod:`~kvgroups.integrations.vllm.worker_saves`.
 
 On a GPU the worker copies as vLLM's own offloading does (:mod:`~kvgroups.datapath.streams`): loads
 on a stream of their own and saves on another, launched with the caches' device current in the
@@ -37,6 +38,7 @@ from kvgroups.datapath.transfer import KVTransfer
 from kvgroups.errors import KVGroupsError
 from kvgroups.integrations.vllm.deployment import Deployment
 from kvgroups.integrations.vllm.engine_groups import EngineGroup
+from kvgroups.integrations.vllm.entry_windows import NeededEntry, read_window
 from kvgroups.integrations.vllm.events import EntryReports, ReportingChunkStore
 from kvgroups.integrations.vllm.loads import BackgroundLoads
 from kvgroups.integrations.vllm.plans import KVGroupsConnectorMetadata, LoadPlan, chunk_slots
@@ -260,25 +262,31 @@ class WorkerSide(WorkerSaves):
         shared_keys = (self.shared_store.keys(plan.tokens, request_salt=plan.request_salt)
                        if self.shared_store is not None else keys)
         num_chunks = plan.num_tokens // self.chunk_size
-        for engine_group in self.engine_groups:
-            block_ids = np.asarray(plan.block_ids[engine_group.index], dtype=np.int64)
-            for member in engine_group.members:
-                for chunk in store.needed_chunks(member, num_chunks):
-                    first = chunk * self.chunk_size
-                    if engine_group.token_indexed and first + self.chunk_size <= plan.local_tokens:
-                        continue  # in vLLM's own prefix cache already
-                    shared = self.shared_reader is not None and member in self.deployment.shared_groups
-                    reader = self.shared_reader if shared and self.shared_reader is not None else bound(self.reader)
-                    if buffers.all_queued():  # every buffer holds an entry not yet copied: copy them now
-                        self._launch_queued(transfers, buffers)
-                    index, buffer = buffers.take()
-                    entry = reader.read((shared_keys if shared else keys)[chunk], member, chunk, buffer)
-                    if entry is None:
-                        logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes "
-                                       "the request's %d tokens", plan.request_id, chunk, member, plan.num_tokens)
-                        return False
-                    self._write_entry(member, transfers[member], engine_group, entry, first, plan, block_ids)
-                    buffers.queued(index)  # refilled once the launch that copies it completed
+        needed = [
+            NeededEntry(engine_group, np.asarray(plan.block_ids[engine_group.index], dtype=np.int64), member, chunk,
+                        chunk * self.chunk_size,
+                        self.shared_reader is not None and member in self.deployment.shared_groups)
+            for engine_group in self.engine_groups for member in engine_group.members
+            for chunk in store.needed_chunks(member, num_chunks)
+            # K/V in vLLM's own prefix cache already are not read.
+            if not (engine_group.token_indexed and (chunk + 1) * self.chunk_size <= plan.local_tokens)]
+        position = 0
+        while position < len(needed):
+            if buffers.all_queued():  # every buffer holds an entry not yet copied: copy them now
+                self._launch_queued(transfers, buffers)
+            taken = buffers.take_free(len(needed) - position)
+            window = needed[position:position + len(taken)]
+            position += len(taken)
+            entries = read_window(window, [buffer for _, buffer in taken], keys, shared_keys, bound(self.reader),
+                                  self.shared_reader)
+            for item, (index, _), entry in zip(window, taken, entries, strict=True):
+                if entry is None:
+                    logger.warning("request %s: chunk %d of group %d is gone or corrupt; vLLM recomputes the "
+                                   "request's %d tokens", plan.request_id, item.chunk, item.member, plan.num_tokens)
+                    return False
+                self._write_entry(item.member, transfers[item.member], item.engine_group, entry, item.first, plan,
+                                  item.block_ids)
+                buffers.queued(index)  # refilled once the launch that copies it completed
         return True
 
     def _write_entry(self, member: int, transfer: KVTransfer, engine_group: EngineGroup, entry: torch.Tensor,

@@ -193,6 +193,24 @@ class ByteStore(abc.ABC):
         buffer[:count] = view[:count]
         return buffer[:count]
 
+    def get_many_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[Stored | None]:
+        """Each key's value read into its buffer, as :meth:`get_into` reads one, the batch asked at once: the
+        values are read together (one round trip where the tier has batches), then copied into the buffers.
+        A tier that reads straight into a buffer (files) reads each so."""
+        if not keys:
+            return []
+        values = self.get_many(keys, max(buffer.nbytes for buffer in buffers) - 1)
+        placed: list[Stored | None] = []
+        for value, buffer in zip(values, buffers, strict=True):
+            if value is None:
+                placed.append(None)
+                continue
+            view = memoryview(value).cast("B")
+            count = min(view.nbytes, buffer.nbytes)
+            buffer[:count] = view[:count]
+            placed.append(buffer[:count])
+        return placed
+
     def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         """The first ``num_bytes`` bytes of a value (an entry's header), None when absent."""
         value = self.get(key, num_bytes)

@@ -1,4 +1,5 @@
-"""One stored entry at a time, read into a reused buffer and checked without a copy, for callers that stream a prefix.
+"""Stored entries read into reused buffers (one at a time, or a batch at once) and checked without a copy, for
+callers that stream a prefix.
 
 :meth:`KVChunkStore.load <kvgroups.store.chunks.chunk_store.KVChunkStore.load>` returns a whole prefix in
 tensors of their own; a caller that promised a boundary from :meth:`~KVChunkStore.lookup` and
@@ -12,6 +13,7 @@ counted in the chunk store's stats; a store that fails is left alone for a while
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -51,6 +53,26 @@ class EntryReader:
         # A copy that does not check out is discarded; a later tier's, where one holds it, is read next.
         return self.store.checked_entry(info, self._get_into(info.key, buffer),
                                         partial(self._get_into, info.key, buffer))
+
+    def read_many(self, wanted: Sequence[tuple[str, int, int, Any]]) -> list[torch.Tensor | None]:
+        """:meth:`read` of each ``(key, group_index, chunk_index, buffer)``, the values asked of the store at
+        once (one batch: a server's round trip for all of them, not one per entry), each checked as ``read``
+        checks it; the buffers must be distinct."""
+        if not wanted or not self._backoff.available():
+            return [None] * len(wanted)
+        infos = [self.store.entry_info(key, group, chunk) for key, group, chunk, _ in wanted]
+        byte_store = self.store.store
+        try:
+            values = byte_store.get_many_into([info.key for info in infos],
+                                              [memoryview(buffer) for *_, buffer in wanted])
+        except OSError as error:
+            self.store.stats.failed_reads += 1
+            byte_store.record_error(error)
+            self._backoff.failed("load", error)
+            return [None] * len(wanted)
+        byte_store.record_read(len(values), sum(value is not None for value in values))
+        return [self.store.checked_entry(info, value, partial(self._get_into, info.key, buffer))
+                for info, value, (*_, buffer) in zip(infos, values, wanted, strict=True)]
 
     def _get_into(self, key: str, buffer: Any) -> Stored | None:
         byte_store = self.store.store

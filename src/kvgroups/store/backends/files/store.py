@@ -19,7 +19,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -224,6 +224,9 @@ class FileStore(ByteStore):
 
     def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         return self._read(key, num_bytes)
+
+    def get_many_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[Stored | None]:
+        return [self.get_into(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]  # each read in place
 
     def get_into(self, key: str, buffer: memoryview) -> Stored | None:
         return self._read(key, buffer.nbytes, buffer)
