@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from kvgroups.integrations.sglang import KVGroupsHiCacheStorage
 from kvgroups.integrations.sglang.pools import UnsupportedPoolError
 from kvgroups.integrations.sglang.settings import BackendConfigError
+from kvgroups.store.backends.mooncake.settings import parse_mooncake_url
 from tests.integrations.sglang.stores import KINDS, fresh_store
 from tests.support.paths import ROOT
 from tests.support.servers import running_server
@@ -364,13 +365,17 @@ def test_a_pool_kvgroups_does_not_describe_is_refused_by_name(tmp_path: Path) ->
         storage.register_mem_host_pool_v2(SlidingWindowPoolHost(), "swa")
 
 
-def test_the_documented_command_line_loads_the_backend(tmp_path: Path) -> None:
-    """docs/sglang.md's launch command: its extra config, as SGLang parses it, builds the backend through
-    SGLang's factory, which then stores and reads pages."""
-    text = (ROOT / "docs" / "sglang.md").read_text(encoding="utf-8")
+@pytest.mark.parametrize("document", ["docs/sglang.md", "README.md"])
+def test_the_documented_command_line_loads_the_backend(document: str, tmp_path: Path) -> None:
+    """The launch command docs/sglang.md and the README show: its extra config, as SGLang parses it, builds the
+    backend through SGLang's factory, which then stores and reads pages (in a file store here; the URL shown
+    is checked as a store URL)."""
+    text = (ROOT / document).read_text(encoding="utf-8")
     block = text.split("test_the_documented_command_line_loads_the_backend -->", 1)[1].split("```")[1]
     extra = json.loads(block.split("--hicache-storage-backend-extra-config '", 1)[1].split("'", 1)[0])
     assert "--hicache-storage-backend dynamic" in block and "--enable-hierarchical-cache" in block
+    if extra["store"].startswith("mooncake://"):
+        assert parse_mooncake_url(extra["store"]).segment_bytes == 4 << 30
     extra["store"] = f"file://{tmp_path}/kv"
     config = storage_config("unused")
     config.extra_config = extra
