@@ -11,8 +11,9 @@ kvgroups, ``batch_set_v1`` / ``batch_get_v1`` on the host pool (``interface_v1``
   variants interleaved (A, B, C, then B, C, A, ...: each round starts with another) over rounds of fresh
   keys; the ratio is the median over rounds of kvgroups' pages per second / HiCacheFile's (1.00 = as fast).
 - redis: kvgroups' Redis tier on a server started here, against ``redis-benchmark`` SET and GET of values
-  of the page's size on the same server (4 clients, as kvgroups moves a batch over 4 connections),
-  alternating rounds; the ratio is kvgroups' pages per second / redis-benchmark's requests per second.
+  of the page's size on the same server, 16 pipelined (``-P 16``: a batch asked at once), on one connection
+  and on four (kvgroups spreads a large batch over up to 4), alternating rounds; the ratio is the median
+  over rounds of kvgroups' pages per second / redis-benchmark's requests per second.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from benchmarks.support.unmeasured import Unmeasured  # noqa: E402
 from kvgroups.integrations.sglang import KVGroupsHiCacheStorage  # noqa: E402
 
 UNMEASURED = Unmeasured()
+PIPELINE = 16  # replies redis-benchmark asks for before reading the first (-P), as a batch of pages is asked
 LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 32
 
 
@@ -121,13 +123,15 @@ def file_table(rounds: int, count: int, directory: Path) -> list[str]:
     return rows
 
 
-def redis_benchmark(port: int, page_bytes: int, count: int) -> dict[str, float]:
-    """Requests per second of redis-benchmark's SET and GET of ``page_bytes`` values (4 clients)."""
+def redis_benchmark(port: int, page_bytes: int, count: int, clients: int) -> dict[str, float]:
+    """Requests per second of redis-benchmark's SET and GET of ``page_bytes`` values, 16 pipelined (as a batch
+    of pages is asked at once), on ``clients`` connections."""
     command = shutil.which("valkey-benchmark") or shutil.which("redis-benchmark")
     if command is None:
         raise RuntimeError("neither valkey-benchmark nor redis-benchmark is installed")
     output = subprocess.run([command, "-p", str(port), "-t", "set,get", "-n", str(count), "-d", str(page_bytes),
-                             "-c", "4", "-q"], capture_output=True, text=True, timeout=600, check=True).stdout
+                             "-c", str(clients), "-P", str(PIPELINE), "-q"], capture_output=True, text=True,
+                            timeout=600, check=True).stdout
     found = {name.lower(): float(rate) for name, rate in re.findall(r"(SET|GET): ([\d.]+) requests per second",
                                                                    output.replace("\r", "\n"))}
     if set(found) != {"set", "get"}:
@@ -140,25 +144,33 @@ def redis_table(rounds: int, count: int, directory: Path) -> list[str]:
         return [UNMEASURED.row("redis", "no valkey-server or redis-server installed", columns=5)]
     pool = host_pool(count, seed=2)
     page_bytes = pool.get_data_page(0).numel() * 2
+    anchors = {clients: f"redis-benchmark -P {PIPELINE} -c {clients}" for clients in (1, 4)}
     with running_server(directory / "valkey") as server:
         ours = kvgroups_backend(server.url, pool)
-        pairs: list[tuple[tuple[float, float], dict[str, float]]] = []
+        pairs: list[tuple[tuple[float, float], dict[int, dict[str, float]]]] = []
         for number in range(rounds + 1):
             keys = [f"{number:08x}{page:056x}" for page in range(count)]
-            measured = round_trip(ours, pool, keys, "v1"), redis_benchmark(server.port, page_bytes, count)
+            measured = round_trip(ours, pool, keys, "v1")
+            theirs = {clients: redis_benchmark(server.port, page_bytes, max(count, PIPELINE * clients), clients)
+                      for clients in anchors}
             if number:
-                pairs.append(measured)
+                pairs.append((measured, theirs))
             ours.store.clear()
     rows = [f"| variant ({page_bytes / 2**20:.0f} MiB values, {count} a batch) | write pages/s | read pages/s | "
-            f"write vs redis-benchmark | read vs redis-benchmark |", "|---|---|---|---|---|"]
+            f"write vs {anchors[1]} | read vs {anchors[1]} | write / read vs {anchors[4]} |",
+            "|---|---|---|---|---|---|"]
     ours_rates = [(count / write, count / read) for (write, read), _ in pairs]
-    theirs_rates = [theirs for _, theirs in pairs]
-    write_ratio = statistics.median(w / t["set"] for (w, _), t in zip(ours_rates, theirs_rates, strict=True))
-    read_ratio = statistics.median(r / t["get"] for (_, r), t in zip(ours_rates, theirs_rates, strict=True))
+
+    def ratio(column: int, op: str, clients: int) -> float:
+        return statistics.median(rate[column] / theirs[clients][op]
+                                 for rate, (_, theirs) in zip(ours_rates, pairs, strict=True))
+
     rows.append(f"| kvgroups Redis tier (v1) | {statistics.median(w for w, _ in ours_rates):.0f} | "
-                f"{statistics.median(r for _, r in ours_rates):.0f} | {write_ratio:.2f} | {read_ratio:.2f} |")
-    rows.append(f"| redis-benchmark SET / GET, 4 clients | {statistics.median(t['set'] for _, t in pairs):.0f} | "
-                f"{statistics.median(t['get'] for _, t in pairs):.0f} | 1.00 | 1.00 |")
+                f"{statistics.median(r for _, r in ours_rates):.0f} | {ratio(0, 'set', 1):.2f} | "
+                f"{ratio(1, 'get', 1):.2f} | {ratio(0, 'set', 4):.2f} / {ratio(1, 'get', 4):.2f} |")
+    for clients, name in anchors.items():
+        rows.append(f"| {name} | {statistics.median(t[clients]['set'] for _, t in pairs):.0f} | "
+                    f"{statistics.median(t[clients]['get'] for _, t in pairs):.0f} | | | |")
     return rows
 
 
@@ -166,16 +178,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--pages", type=int, default=16, help="pages a batch (SGLang asks up to 128)")
+    parser.add_argument("--only", choices=("file", "redis"), default=None, help="one table alone")
     parser.add_argument("--dir", type=Path, default=None, help="where the file stores live (default: a temporary "
                         "directory under /var/tmp, a disk rather than a tmpfs)")
     arguments = parser.parse_args()
     base = arguments.dir or Path("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir())
     with tempfile.TemporaryDirectory(dir=base) as directory:
-        for row in file_table(arguments.rounds, arguments.pages, Path(directory)):
-            print(row)
-        print()
-        for row in redis_table(arguments.rounds, arguments.pages, Path(directory)):
-            print(row)
+        if arguments.only != "redis":
+            for row in file_table(arguments.rounds, arguments.pages, Path(directory)):
+                print(row)
+            print()
+        if arguments.only != "file":
+            for row in redis_table(arguments.rounds, arguments.pages, Path(directory)):
+                print(row)
     UNMEASURED.exit()
 
 
