@@ -195,25 +195,6 @@ def test_another_process_reuses_a_redis_server(tmp_path: Path) -> None:
     assert (logits - plain).abs().max() <= 1e-5 * max(1.0, float(plain.abs().max()))
 
 
-def test_a_mooncake_pool_serves_a_hybrids_prefix_another_process_computed(tmp_path: Path) -> None:
-    """PrefixCache on a Mooncake Store tier behind a memory tier: another process computes and stores (its
-    recurrent states too) into memory a third process lends the pool; this one reuses it, the answer the
-    recomputed one."""
-    from tests.support.mooncake import lending_client, running_master
-
-    model_dir = stored_model(tmp_path, "qwen3_next")
-    first, second = prompts()
-    with running_master(tmp_path / "master") as master, lending_client(master.url(segment="128MiB")):
-        pool = master.url(segment="0")
-        assert in_process(model_dir, pool, first)[0] == 0
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
-        with PrefixCache(model, ["memory://?max_bytes=64MiB", pool], chunk_size=CHUNK) as cache:
-            result = cache.prefill(second)
-            assert result.reused_tokens == 24
-            assert cache.chunk_store.stats.hit_tokens_by_tier.get("mooncake") == 24
-            assert_same_answer(model, cache, second, result.logits)
-
-
 def test_a_broken_store_costs_reuse_never_the_answer(tmp_path: Path) -> None:
     model = tiny_model("bamba")
     first, second = prompts()
