@@ -142,7 +142,11 @@ class RedisClusterStore(RespStore):
     @contextlib.contextmanager
     def _connection_to(self, node: Any) -> Iterator[Any]:
         pool = self._client.get_redis_connection(node).connection_pool
-        connection = pool.get_connection()
+        try:
+            connection = pool.get_connection()  # connects: a master gone fails here, and is backed off too
+        except (OSError, self._redis.exceptions.RedisError) as error:
+            self._node_failed(node.name, error)
+            raise
         try:
             yield connection
         except (RespError, OSError, self._redis.exceptions.RedisError) as error:
