@@ -26,6 +26,7 @@ import numpy as np
 from benchmarks.support.unmeasured import Unmeasured
 from kvgroups.core.sizes import KIB, MIB
 from kvgroups.store import open_store
+from kvgroups.store.backends.mooncake.store import KEY_PREFIX
 
 UNMEASURED = Unmeasured()
 SHAPES = ((16, MIB), (64, 64 * KIB))
@@ -77,7 +78,7 @@ class Ours:
         assert all(value is not None and len(value) == size for value in values)
 
     def remove(self, keys: list[str]) -> None:
-        self.store.client.call("remove", "batch_remove", ["kvgroups:" + key for key in keys], True)
+        self.store.client.call("remove", "batch_remove", [KEY_PREFIX + key for key in keys], True)
 
 
 def measured(client: Ours | Theirs, name: str, batch: int, size: int, batches: int, round_: int) -> tuple[float, float]:

@@ -185,13 +185,7 @@ class ByteStore(abc.ABC):
         buffer may be longer, so a caller sizes it one byte past the longest value it accepts. Tiers
         that can read straight into the buffer do (files); the others copy into it.
         """
-        value = self.get(key, buffer.nbytes - 1)
-        if value is None:
-            return None
-        view = memoryview(value).cast("B")
-        count = min(view.nbytes, buffer.nbytes)
-        buffer[:count] = view[:count]
-        return buffer[:count]
+        return _copied_into(self.get(key, buffer.nbytes - 1), buffer)
 
     def get_many_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[Stored | None]:
         """Each key's value read into its buffer, as :meth:`get_into` reads one, the batch asked at once: the
@@ -200,16 +194,7 @@ class ByteStore(abc.ABC):
         if not keys:
             return []
         values = self.get_many(keys, max(buffer.nbytes for buffer in buffers) - 1)
-        placed: list[Stored | None] = []
-        for value, buffer in zip(values, buffers, strict=True):
-            if value is None:
-                placed.append(None)
-                continue
-            view = memoryview(value).cast("B")
-            count = min(view.nbytes, buffer.nbytes)
-            buffer[:count] = view[:count]
-            placed.append(buffer[:count])
-        return placed
+        return [_copied_into(value, buffer) for value, buffer in zip(values, buffers, strict=True)]
 
     def get_prefix(self, key: str, num_bytes: int) -> Stored | None:
         """The first ``num_bytes`` bytes of a value (an entry's header), None when absent."""
@@ -243,6 +228,17 @@ class ByteStore(abc.ABC):
 Value = bytes | bytearray | memoryview
 # What a read returns: a buffer of its own (never shared with another read), or a view of one.
 Stored = bytes | bytearray | memoryview
+
+
+def _copied_into(value: Stored | None, buffer: memoryview) -> Stored | None:
+    """``value`` (None: absent) copied into the start of ``buffer``, as much as fits, as a view of the part
+    it fills."""
+    if value is None:
+        return None
+    view = memoryview(value).cast("B")
+    count = min(view.nbytes, buffer.nbytes)
+    buffer[:count] = view[:count]
+    return buffer[:count]
 
 
 def cut(value: bytes, max_bytes: int | None) -> bytes:

@@ -47,17 +47,12 @@ class EntryReader:
         """The entry's tensor, a view of ``buffer`` (any writable contiguous bytes: a bytearray, a uint8
         array; an encrypted entry's plaintext is new memory): use it before reading the next entry into
         the same buffer. None when it is missing, corrupt (then deleted) or the store fails."""
-        info = self.store.entry_info(key, group_index, chunk_index)
-        if not self._backoff.available():
-            return None
-        # A copy that does not check out is discarded; a later tier's, where one holds it, is read next.
-        return self.store.checked_entry(info, self._get_into(info.key, buffer),
-                                        partial(self._get_into, info.key, buffer))
+        return self.read_many([(key, group_index, chunk_index, buffer)])[0]
 
     def read_many(self, wanted: Sequence[tuple[str, int, int, Any]]) -> list[torch.Tensor | None]:
         """:meth:`read` of each ``(key, group_index, chunk_index, buffer)``, the values asked of the store at
-        once (one batch: a server's round trip for all of them, not one per entry), each checked as ``read``
-        checks it; the buffers must be distinct."""
+        once (one batch: a server's round trip for all of them, not one per entry), each checked alone; the
+        buffers must be distinct."""
         if not wanted or not self._backoff.available():
             return [None] * len(wanted)
         infos = [self.store.entry_info(key, group, chunk) for key, group, chunk, _ in wanted]
@@ -66,11 +61,10 @@ class EntryReader:
             values = byte_store.get_many_into([info.key for info in infos],
                                               [memoryview(buffer) for *_, buffer in wanted])
         except OSError as error:
-            self.store.stats.failed_reads += 1
-            byte_store.record_error(error)
-            self._backoff.failed("load", error)
+            self._failed(error)
             return [None] * len(wanted)
         byte_store.record_read(len(values), sum(value is not None for value in values))
+        # A copy that does not check out is discarded; a later tier's, where one holds it, is read next.
         return [self.store.checked_entry(info, value, partial(self._get_into, info.key, buffer))
                 for info, value, (*_, buffer) in zip(infos, values, wanted, strict=True)]
 
@@ -79,9 +73,13 @@ class EntryReader:
         try:
             value = byte_store.get_into(key, memoryview(buffer))
         except OSError as error:
-            self.store.stats.failed_reads += 1
-            byte_store.record_error(error)
-            self._backoff.failed("load", error)
+            self._failed(error)
             return None
         byte_store.record_read(1, value is not None)
         return value
+
+    def _failed(self, error: OSError) -> None:
+        """A read the store failed: counted, and the store left alone for a while."""
+        self.store.stats.failed_reads += 1
+        self.store.store.record_error(error)
+        self._backoff.failed("load", error)

@@ -17,6 +17,7 @@ one key's holder unreachable is that key's miss. The client and its timeouts:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 import urllib.request
@@ -66,7 +67,7 @@ class MooncakeStore(ByteStore):
         self.client = MooncakeClient(settings)
         self._config = self.client.replicate_config()
         self._buffers = BufferPool()
-        self._register = settings.protocol == "rdma"  # TCP moves any memory of this process; RDMA registered only
+        self._register = settings.protocol == "rdma"
 
     # --- writes ---------------------------------------------------------------------------------------------
     def put(self, key: str, value: Value) -> None:
@@ -157,13 +158,11 @@ class MooncakeStore(ByteStore):
         it is too long without it being read whole)."""
         size, address = view.nbytes, _address(view)
         # Ranged reads take only registered memory (whatever the protocol): registered for this rare read.
-        if self.client.call("register", "register_buffer", address, size) != 0:
-            return None
-        try:
+        with self._registered([address], [size]) as registered:
+            if not registered:
+                return None
             answer = self.client.call("GET RANGE", "get_into_ranges", [address], [[name]], [[[0]]], [[[0]]],
                                       [[[size]]], keep=view)
-        finally:
-            self.client.call("unregister", "unregister_buffer", address)
         got = answer[0][0][0] if answer and answer[0] and answer[0][0] else -1
         return view if got == size else None
 
@@ -174,27 +173,25 @@ class MooncakeStore(ByteStore):
         if addresses is None:
             addresses = [_address(view) if view.nbytes else 0 for view in views]
         sizes = [view.nbytes for view in views]
-        registered = self._registered(addresses, sizes)
-        try:
+        # TCP moves any memory of this process; RDMA only memory registered with the transfer engine.
+        with self._registered(addresses, sizes) if self._register else contextlib.nullcontext():
             codes = self.client.call(f"{action} {len(names)} value(s)", method, names, addresses, sizes, *extra,
                                      keep=views)
-        finally:
-            for address in registered:
-                self.client.call("unregister", "unregister_buffer", address)
         if not isinstance(codes, list) or len(codes) != len(names):
             raise StoreError(f"{self.url}: {method} answered {len(codes) if isinstance(codes, list) else codes!r} "
                              f"results for {len(names)} keys")
         return [int(code) for code in codes]
 
-    def _registered(self, addresses: list[int], sizes: list[int]) -> list[int]:
-        """Over RDMA, the buffers of a call registered with the transfer engine for that call."""
-        if not self._register:
-            return []
-        done = []
-        for address, size in zip(addresses, sizes, strict=True):
-            if size and self.client.call("register", "register_buffer", address, size) == 0:
-                done.append(address)
-        return done
+    @contextlib.contextmanager
+    def _registered(self, addresses: list[int], sizes: list[int]) -> Iterator[bool]:
+        """The buffers registered with the transfer engine for as long as the block runs; whether all were."""
+        done = [address for address, size in zip(addresses, sizes, strict=True)
+                if size and self.client.call("register", "register_buffer", address, size) == 0]
+        try:
+            yield len(done) == sum(1 for size in sizes if size)
+        finally:
+            for address in done:
+                self.client.call("unregister", "unregister_buffer", address)
 
     # --- lookups and housekeeping ---------------------------------------------------------------------------
     def contains(self, key: str) -> bool:

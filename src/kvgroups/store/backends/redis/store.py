@@ -53,6 +53,8 @@ _MAX_VALUE_SETTING = "proto-max-bulk-len"
 _DEFAULT_MAX_VALUE_BYTES = 512 * MIB
 # Connections a store moves values over at once (parts of one value, or several values).
 PARALLEL_READS = 4
+
+
 def redis_module() -> Any:
     try:
         import redis  # noqa: PLC0415 - an optional extra, loaded only for this tier
@@ -158,8 +160,8 @@ class RespStore(ByteStore):
         heads = self._read_ranges([(head_name(key), buffer, 0) for key, buffer in zip(keys, buffers, strict=True)])
         reads: list[tuple[bytes, memoryview, int]] = []
         wanted = []
-        for index, (key, length) in enumerate(zip(keys, heads, strict=True)):
-            header = Header.unpack(buffers[index]) if length else None
+        headers = [Header.unpack(buffer) if length else None for buffer, length in zip(buffers, heads, strict=True)]
+        for index, (key, length, header) in enumerate(zip(keys, heads, headers, strict=True)):
             if header is None:  # absent; or not a value kvgroups wrote: its bytes, which no decoder takes
                 wanted.append(0 if not length else -length)
                 continue
@@ -177,7 +179,7 @@ class RespStore(ByteStore):
             if want <= 0:
                 values.append(bytes(buffers[index][:-want]) if want else None)
                 continue
-            header = Header.unpack(buffers[index])
+            header = headers[index]
             assert header is not None  # unpacked above
             parts = range(1, -(-want // header.part_bytes))
             expected = [min(header.part_bytes, want - part * header.part_bytes) for part in parts]
@@ -245,11 +247,7 @@ class RespStore(ByteStore):
 
     def _get_range_of(self, name: bytes, buffer: bytearray) -> int:
         with self._connection_for(name) as connection:
-            view = memoryview(buffer)
-            try:
-                return get_range(connection, name, 0, view)
-            finally:
-                view.release()
+            return get_range(connection, name, 0, memoryview(buffer))
 
     # --- lookups and housekeeping (redis-py, pipelined) -------------------------------------------
     def contains(self, key: str) -> bool:
